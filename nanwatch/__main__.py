@@ -1,0 +1,3 @@
+from nanwatch.cli import main
+
+main()

@@ -1,0 +1,61 @@
+"""The `nanwatch` command. Subcommands load lazily so `nanwatch --help` starts fast."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from .. import __version__
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "watch": ("ingest", "watch", "Follow logs and monitor output; detect, store, notify (daemon)."),
+    "scan": ("ingest", "scan", "Ingest files or folders once, correlate, print a summary."),
+    "incidents": ("browse", "incidents", "List incidents (open and resolved)."),
+    "show": ("browse", "show", "Tell one incident's story: root cause, timeline, hints."),
+    "events": ("browse", "events", "List detected events, oldest first."),
+    "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
+    "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        spec = COMMANDS.get(cmd_name)
+        if spec is None:
+            return None
+        module = importlib.import_module(f"{__name__}.{spec[0]}")
+        cmd: click.Command = getattr(module, spec[1])
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="nanwatch")
+def cli() -> None:
+    """nanwatch: watch distributed training runs for NaNs, OOMs, collective timeouts and
+    slowdowns, and explain them.
+
+    \b
+    Quick start:
+      nanwatch scan work_dirs/dino/            # ingest finished logs, print incidents
+      nanwatch watch --config nanwatch.toml    # follow live runs (the daemon)
+      nanwatch incidents                       # what went wrong
+      nanwatch show 3                          # root cause, timeline, known causes
+
+    The database is --db, else $NANWATCH_DB, else ~/.local/state/nanwatch/nanwatch.db.
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    return cli.main(args=argv if argv is not None else sys.argv[1:], prog_name="nanwatch")

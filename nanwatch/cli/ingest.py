@@ -1,0 +1,200 @@
+"""`nanwatch watch` and `nanwatch scan`: the same pipeline, live or once."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError
+from ._common import (
+    EXIT_VERDICT,
+    config_option,
+    db_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    resolve,
+    setup_logging,
+    verbosity_option,
+)
+
+
+def _sinks(config: Any, *, console: bool) -> list[Any]:
+    from ..notify.console import ConsoleSink
+
+    sinks: list[Any] = []
+    if console:
+        sinks.append(ConsoleSink())
+    return sinks
+
+
+@click.command()
+@config_option
+@db_option
+@click.option("--run", "run", default=None, help="Put everything in one run with this name.")
+@click.option("--quiet", is_flag=True, help="Do not print incidents to stdout.")
+@verbosity_option
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str))
+@handle_errors
+def watch(
+    config_path: Path | None,
+    db: Path | None,
+    run: str | None,
+    quiet: bool,
+    verbose: int,
+    paths: tuple[str, ...],
+) -> None:
+    """Follow training logs, plogs and msprobe monitor output until stopped.
+
+    PATHs are files, folders (every text file below them, recursively, new ones included) or
+    globs; without PATH, `[sources] paths` from the config. Each PATH is one run. Offsets are
+    committed with the events, so a restart resumes exactly where it stopped. SIGTERM or
+    Ctrl-C stop it cleanly (everything read is committed; exit status 0).
+
+    \b
+    Examples:
+      nanwatch watch work_dirs/dino/
+      nanwatch watch --config /etc/nanwatch/nanwatch.toml
+      nanwatch watch --db /tmp/nw.db '/data/logs/*/rank*.log'
+    """
+    setup_logging(verbose)
+    config, db_path = resolve(config_path, db)
+    targets = list(paths) or list(config.sources.paths)
+    if not targets:
+        raise ConfigError(
+            "nothing to watch: pass PATHs or set [sources] paths in the config "
+            f"({config.path or 'no --config given'})"
+        )
+    from ..pipeline import Pipeline
+    from ..store import Store
+
+    store = Store.open(db_path)
+    stop = threading.Event()
+    try:
+        pipe = Pipeline(
+            config, store, targets, run=run, live=True, sinks=_sinks(config, console=not quiet)
+        )
+
+        def _stop(signum: int, frame: Any) -> None:
+            pipe.request_stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        click.echo(f"nanwatch: watching {len(targets)} path(s); database {db_path}", err=True)
+        pipe.watch(stop)
+    finally:
+        store.close()
+
+
+@click.command()
+@config_option
+@db_option
+@click.option("--run", "run", default=None, help="Put everything in one run with this name.")
+@click.option(
+    "--notify",
+    is_flag=True,
+    help="Deliver the incidents' notifications (Slack, ...) before exiting.",
+)
+@click.option(
+    "--fail-on",
+    "fail_on",
+    multiple=True,
+    metavar="KIND",
+    help="Exit with status 3 if an incident of this kind (or 'any') was found.",
+)
+@json_option
+@verbosity_option
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@handle_errors
+def scan(
+    config_path: Path | None,
+    db: Path | None,
+    run: str | None,
+    notify: bool,
+    fail_on: tuple[str, ...],
+    as_json: bool,
+    verbose: int,
+    paths: tuple[str, ...],
+) -> None:
+    """Ingest log files or folders once, correlate them, and print what was found.
+
+    Same code path as `watch`. Scanning the same files again adds nothing (offsets are kept).
+    Without --notify nothing is queued for Slack, so a later `watch` never posts old incidents.
+    Exit status 0 whatever was found; use --fail-on KIND for a verdict.
+
+    \b
+    Examples:
+      nanwatch scan work_dirs/dino/20261130_101500/
+      nanwatch scan --json /data/logs/job42/ | jq .incidents
+      nanwatch scan --fail-on nan --fail-on oom logs/
+    """
+    setup_logging(verbose, quiet_default=True)
+    config, db_path = resolve(config_path, db)
+    from ..pipeline import Pipeline
+    from ..query import list_incidents
+    from ..render import render_incident_line
+    from ..store import Store
+
+    store = Store.open(db_path)
+    try:
+        started = time.monotonic()
+        sinks = _sinks(config, console=False) if notify else []
+        pipe = Pipeline(config, store, list(paths), run=run, live=False, sinks=sinks)
+        pipe.scan()
+        undelivered = pipe.deliver_all() if notify else 0
+        elapsed = time.monotonic() - started
+        runs = sorted(pipe.stats.runs)
+        names = (
+            [
+                r[0]
+                for r in store.conn.execute(
+                    f"SELECT name FROM runs WHERE id IN ({','.join('?' * len(runs))}) ORDER BY id",
+                    runs,
+                )
+            ]
+            if runs
+            else []
+        )
+        incidents = [i for name in names for i in list_incidents(store.conn, run=name)]
+        summary = {
+            "database": str(db_path),
+            "files": len(pipe.tracker.records),
+            "bytes": pipe.stats.bytes,
+            "seconds": round(elapsed, 3),
+            "events": dict(pipe.stats.events),
+            "metrics": pipe.stats.metrics,
+            "runs": names,
+            "incidents": incidents,
+            "undelivered": undelivered,
+            "counters": pipe.counters(),
+        }
+        if as_json:
+            emit_json(summary)
+        else:
+            mb = pipe.stats.bytes / 1e6
+            ev = ", ".join(f"{k} {v}" for k, v in sorted(pipe.stats.events.items())) or "none"
+            click.echo(
+                f"Scanned {summary['files']} file(s), {mb:.1f} MB in {elapsed:.2f}s: "
+                f"new events: {ev}; {pipe.stats.metrics} metric rows."
+            )
+            click.echo(f"Runs: {', '.join(names) or '-'}   database: {db_path}")
+            if incidents:
+                click.echo(f"{len(incidents)} incident(s):")
+                for inc in incidents:
+                    click.echo("  " + render_incident_line(inc))
+                click.echo("See `nanwatch show ID` for the story.")
+            else:
+                click.echo("No incidents.")
+            if undelivered:
+                click.echo(f"{undelivered} notification(s) could not be delivered yet.", err=True)
+        wanted = set(fail_on)
+        if wanted and any("any" in wanted or i["kind"] in wanted for i in incidents):
+            sys.exit(EXIT_VERDICT)
+    finally:
+        store.close()

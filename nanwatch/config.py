@@ -1,0 +1,317 @@
+"""Configuration: one TOML file, every key optional, unknown keys are errors.
+
+A bad file fails at start with a :class:`~nanwatch.errors.ConfigError` that names the file,
+the key and the fix (for a misspelt key: the nearest valid one).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 images
+    import tomli as tomllib
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+
+
+def parse_duration(value: object, *, where: str = "duration") -> float:
+    """Seconds from ``30``, ``30s``, ``5m``, ``4h``, ``90d``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a duration such as 30s, 5m or 4h, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{where}: a duration cannot be negative ({value})")
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNIT[m.group(2)]
+    raise ConfigError(f"{where}: expected a duration such as 30s, 5m, 4h or 90d, got {value!r}")
+
+
+def default_db_path() -> Path:
+    """``$NANWATCH_DB``, else the per-user state directory."""
+    env = os.environ.get("NANWATCH_DB")
+    if env:
+        return Path(env)
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "nanwatch" / "nanwatch.db"
+
+
+@dataclass(frozen=True)
+class SourcesConfig:
+    paths: tuple[str, ...] = ()
+    mode: str = "auto"  # auto | inotify | poll
+    poll_interval: float = 2.0
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    rule_dirs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KnowledgeConfig:
+    dirs: tuple[str, ...] = ()
+    cann_version: str | None = None
+    hccl_exec_timeout: float | None = None
+    nccl_timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class ShapesConfig:
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    keep: float | None = None  # seconds; None keeps everything
+
+
+@dataclass(frozen=True)
+class AlertsConfig:
+    group_wait: float = 30.0
+    group_interval: float = 300.0
+    repeat_interval: float = 4 * 3600.0
+    resolve_after: float = 3600.0
+
+
+@dataclass(frozen=True)
+class SlackConfig:
+    enabled: bool = False
+    channel: str | None = None
+    token_file: str | None = None
+    base_url: str | None = None
+    webhook_url: str | None = None
+    webhook_url_file: str | None = None
+    routes: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class AlertmanagerConfig:
+    urls: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    job: str | None = None
+    run: str | None = None
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None = None
+    db: Path | None = None
+    sources: SourcesConfig = field(default_factory=SourcesConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    knowledge: KnowledgeConfig = field(default_factory=KnowledgeConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    slack: SlackConfig = field(default_factory=SlackConfig)
+    alertmanager: AlertmanagerConfig = field(default_factory=AlertmanagerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def db_path(self) -> Path:
+        return self.db if self.db is not None else default_db_path()
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+_Conv = Callable[[object, str, Path | None], object]
+
+
+def _str(v: object, where: str, base: Path | None) -> object:
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}: expected a string, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _path(v: object, where: str, base: Path | None) -> object:
+    s = _str(v, where, base)
+    assert isinstance(s, str)
+    p = Path(os.path.expanduser(s))
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    return str(p)
+
+
+def _paths(v: object, where: str, base: Path | None) -> object:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}: expected a list of paths, got {type(v).__name__}")
+    return tuple(_path(x, f"{where}[{i}]", base) for i, x in enumerate(v))
+
+
+def _urls(v: object, where: str, base: Path | None) -> object:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{where}: expected a URL or a list of URLs")
+    return tuple(v)
+
+
+def _duration(v: object, where: str, base: Path | None) -> object:
+    return parse_duration(v, where=where)
+
+
+def _positive_duration(v: object, where: str, base: Path | None) -> object:
+    d = parse_duration(v, where=where)
+    if d <= 0:
+        raise ConfigError(f"{where}: must be greater than zero, got {v!r}")
+    return d
+
+
+def _mode(v: object, where: str, base: Path | None) -> object:
+    if v not in ("auto", "inotify", "poll"):
+        raise ConfigError(f"{where}: expected one of auto, inotify, poll; got {v!r}")
+    return v
+
+
+def _routes(v: object, where: str, base: Path | None) -> object:
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ConfigError(
+            f"{where}: expected a list of tables such as "
+            '[{ kinds = ["oom"], channel = "#oncall" }]'
+        )
+    for i, r in enumerate(v):
+        unknown = set(r) - {"kinds", "severities", "channel", "runs"}
+        if unknown:
+            raise ConfigError(
+                f"{where}[{i}]: unknown key {sorted(unknown)[0]!r}; "
+                "valid keys: kinds, severities, runs, channel"
+            )
+        if "channel" not in r:
+            raise ConfigError(f"{where}[{i}]: a route needs a channel")
+    return tuple(v)
+
+
+_SCHEMA: dict[str, dict[str, _Conv]] = {
+    "": {"db": _path},
+    "sources": {"paths": _paths, "mode": _mode, "poll_interval": _positive_duration},
+    "detect": {"rule_dirs": _paths},
+    "knowledge": {
+        "dirs": _paths,
+        "cann_version": _str,
+        "hccl_exec_timeout": _duration,
+        "nccl_timeout": _duration,
+    },
+    "shapes": {"checkpoint": _path},
+    "store": {"keep": _positive_duration},
+    "alerts": {
+        "group_wait": _duration,
+        "group_interval": _duration,
+        "repeat_interval": _duration,
+        "resolve_after": _positive_duration,
+    },
+    "slack": {
+        "channel": _str,
+        "token_file": _path,
+        "base_url": _str,
+        "webhook_url": _str,
+        "webhook_url_file": _path,
+        "routes": _routes,
+    },
+    "alertmanager": {"url": _urls, "urls": _urls},
+    "metrics": {"listen": _str},
+    "cluster": {"job": _str, "run": _str, "node": _str},
+}
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    near = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if near:
+        return f"did you mean {near[0]!r}?"
+    return "valid keys: " + ", ".join(sorted(o for o in options if o)) if options else ""
+
+
+def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config:
+    """Validate a parsed TOML document; raise ConfigError naming file, key and fix."""
+    where_file = str(path) if path else "<config>"
+    base = path.parent if path else None
+    sections: dict[str, dict[str, object]] = {name: {} for name in _SCHEMA}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key not in _SCHEMA or key == "":
+                raise ConfigError(
+                    f"{where_file}: unknown section [{key}]; "
+                    f"{_nearest(key, [s for s in _SCHEMA if s])}"
+                )
+            for sub, subval in value.items():
+                if sub not in _SCHEMA[key]:
+                    raise ConfigError(
+                        f"{where_file}: unknown key {sub!r} in [{key}]; "
+                        f"{_nearest(sub, list(_SCHEMA[key]))}"
+                    )
+                conv = _SCHEMA[key][sub]
+                sections[key][sub] = conv(subval, f"{where_file}: [{key}] {sub}", base)
+        else:
+            if key not in _SCHEMA[""]:
+                hint = _nearest(key, list(_SCHEMA[""]) + [s for s in _SCHEMA if s])
+                raise ConfigError(f"{where_file}: unknown top-level key {key!r}; {hint}")
+            sections[""][key] = _SCHEMA[""][key](value, f"{where_file}: {key}", base)
+
+    s = sections
+    am = s["alertmanager"]
+    am_urls: tuple[str, ...] = ()
+    for key in ("urls", "url"):
+        value = am.get(key, ())
+        assert isinstance(value, tuple)
+        am_urls += value
+    db = s[""].get("db")
+    return Config(
+        path=path,
+        db=Path(str(db)) if db else None,
+        sources=SourcesConfig(**s["sources"]),  # type: ignore[arg-type]
+        detect=DetectConfig(**s["detect"]),  # type: ignore[arg-type]
+        knowledge=KnowledgeConfig(**s["knowledge"]),  # type: ignore[arg-type]
+        shapes=ShapesConfig(**s["shapes"]),  # type: ignore[arg-type]
+        store=StoreConfig(**s["store"]),  # type: ignore[arg-type]
+        alerts=AlertsConfig(**s["alerts"]),  # type: ignore[arg-type]
+        slack=SlackConfig(enabled="slack" in data, **s["slack"]),  # type: ignore[arg-type]
+        alertmanager=AlertmanagerConfig(urls=am_urls),
+        metrics=MetricsConfig(**s["metrics"]),  # type: ignore[arg-type]
+        cluster=ClusterConfig(**s["cluster"]),  # type: ignore[arg-type]
+    )
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Load and validate a config file; ``None`` gives the defaults."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{p}: config file not found; pass an existing file to --config"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file ({e.strerror})") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: the config file is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return parse_config(data, path=p.resolve())

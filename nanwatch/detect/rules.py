@@ -1,0 +1,437 @@
+"""Rule packs: detection rules as data (``parsers/*.toml`` and site directories).
+
+A pack is one TOML file::
+
+    [pack]
+    id = "mmengine"
+    title = "mmengine / mmdet training logs"
+
+    [[prefix]]                      # line prefixes that carry rank/node; stripped before matching
+    id = "torchrun.rank"
+    pattern = '^\\[(?:rank|default)(?P<rank>\\d+)\\]:\\s?'
+
+    [[rule]]
+    id = "mmengine.nonfinite"       # unique across every loaded pack
+    kind = "nan"                    # event rules yield an event of this kind
+    literals = ["nan", "inf"]       # cheap case-sensitive prefilter: a line must contain one
+    pattern = '(?P<tensor>[\\w.]*loss[\\w.]*|grad_norm): (?P<value>nan|inf)'
+    message = "{tensor} is {value}" # optional; default: the line itself
+
+    [[rule.example]]                # real-format lines and what they must give (run by the tests)
+    line = "... Epoch(train) [1][10/16] ... loss: nan ..."
+    event = { kind = "nan", epoch = 1, iter = 10, stage = "train", fields = { tensor = "loss" } }
+
+Rule types: ``event`` (default) yields events; ``context`` updates the stream's state (stage,
+epoch, iter, step, ...), optionally extracts ``metrics``; with ``hint = true`` it only sets the
+stage of the next event (traceback frames such as ``in val_step``). ``chunk = true`` runs the
+pattern over whole chunks instead of prefiltered lines (for lines that occur on every iteration);
+such a pattern must not cross a newline.
+
+Named groups: ``rank, local_rank, node, epoch, iter, step, stage, device`` set the event's
+attributes, ``ts`` is the line's timestamp, ``iters`` the iterations per epoch, names starting
+with ``_`` are ignored, and any other group becomes a field, typed by ``types`` or by the
+vocabulary (``timeout_ms`` is an int, ``bytes_requested`` a byte size, ...).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import regex
+
+from ..errors import RuleError
+from ..events import ATTRIBUTES, KINDS, STAGES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Vocabulary types for fields that rules commonly extract.
+FIELD_TYPES: dict[str, str] = {
+    "seq": "int",
+    "timeout_ms": "int",
+    "elapsed_ms": "int",
+    "remote_rank": "int",
+    "exit_code": "int",
+    "pid": "int",
+    "numel": "int",
+    "device_index": "int",
+    "world_size": "int",
+    "bytes_requested": "bytes",
+    "total": "bytes",
+    "allocated": "bytes",
+    "reserved": "bytes",
+    "free": "bytes",
+    "ratio": "float",
+    "baseline": "float",
+    "current": "float",
+    "loss_scale": "float",
+}
+_INT_ATTRS = {"rank", "local_rank", "epoch", "iter", "step"}
+_STATE_KEYS = {"stage", "epoch", "iter", "iters", "step", "rank", "local_rank", "node", "device"}
+METRIC_NAMES = ("loss", "grad_norm", "step_time", "data_time", "lr", "memory")
+_TYPES = {"int", "float", "str", "bytes", "list"}
+
+_STAGE_ALIASES = {
+    "train": "train",
+    "training": "train",
+    "val": "val",
+    "valid": "val",
+    "validate": "val",
+    "validation": "val",
+    "eval": "val",
+    "evaluate": "val",
+    "evaluation": "val",
+    "evaluating": "val",
+    "test": "test",
+    "testing": "test",
+    "predict": "test",
+}
+
+
+def normalize_stage(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return _STAGE_ALIASES.get(value.strip().lower())
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1024**4,
+    "tib": 1024**4,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+
+
+def parse_bytes(text: str) -> int | None:
+    m = _BYTES_RE.match(text)
+    if not m:
+        return None
+    unit = (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def convert(value: str, typ: str) -> Any:
+    """Convert a captured group to its declared type; unparsable values stay text."""
+    try:
+        if typ == "int":
+            return int(value.replace(",", ""))
+        if typ == "float":
+            return float(value)
+        if typ == "bytes":
+            b = parse_bytes(value)
+            return value if b is None else b
+    except ValueError:
+        return value
+    return value
+
+
+@dataclass(frozen=True)
+class Example:
+    lines: tuple[str, ...]
+    file: str | None
+    event: Mapping[str, Any] | None  # None: no event expected
+    events: int | None  # expected number of events (when given)
+    state: Mapping[str, Any]
+    metrics: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Prefix:
+    id: str
+    pack: str
+    source: Path
+    pattern: str
+    cre: Any  # compiled `regex` pattern (str)
+    examples: tuple[Example, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    pack: str
+    source: Path
+    type: str  # event | context
+    kind: str | None
+    literals: tuple[str, ...]
+    pattern: str
+    cre: Any  # compiled (str) for line matching
+    chunk_cre: Any | None  # compiled (bytes, multiline) for chunk rules
+    set: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, str] = field(default_factory=dict)
+    const: Mapping[str, Any] = field(default_factory=dict)
+    types: Mapping[str, str] = field(default_factory=dict)
+    message: str | None = None
+    hint: bool = False
+    all_matches: bool = False
+    examples: tuple[Example, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    @property
+    def chunk(self) -> bool:
+        return self.chunk_cre is not None
+
+
+@dataclass
+class RuleSet:
+    """Every loaded pack, in priority order (site packs before shipped ones)."""
+
+    packs: list[Mapping[str, Any]] = field(default_factory=list)
+    prefixes: list[Prefix] = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
+
+    def by_id(self, rule_id: str) -> Rule | Prefix | None:
+        for p in self.prefixes:
+            if p.id == rule_id:
+                return p
+        for r in self.rules:
+            if r.id == rule_id:
+                return r
+        return None
+
+
+_PACK_KEYS = {"id", "title", "description", "url"}
+_PREFIX_KEYS = {"id", "pattern", "example", "description"}
+_RULE_KEYS = {
+    "id",
+    "type",
+    "kind",
+    "literals",
+    "pattern",
+    "chunk",
+    "set",
+    "metrics",
+    "const",
+    "types",
+    "message",
+    "hint",
+    "all",
+    "example",
+    "description",
+}
+_EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "note"}
+
+
+def _fail(src: Path, rule_id: str | None, msg: str) -> RuleError:
+    where = f"{src}" + (f": rule {rule_id!r}" if rule_id else "")
+    return RuleError(f"{where}: {msg}")
+
+
+def _check_keys(
+    src: Path, rid: str | None, table: Mapping[str, Any], valid: set[str], what: str
+) -> None:
+    for k in table:
+        if k not in valid:
+            near = difflib.get_close_matches(k, sorted(valid), n=1, cutoff=0.5)
+            hint = (
+                f"; did you mean {near[0]!r}?"
+                if near
+                else f"; valid keys: {', '.join(sorted(valid))}"
+            )
+            raise _fail(src, rid, f"unknown key {k!r} in {what}{hint}")
+
+
+def _compile_line(src: Path, rid: str, pattern: str) -> Any:
+    try:
+        return regex.compile(pattern, regex.V0)
+    except regex.error as e:
+        raise _fail(src, rid, f"pattern does not compile: {e}") from None
+
+
+def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
+    """Chunk rules run on bytes; the stdlib engine is used when it accepts the pattern (faster)."""
+    raw = pattern.encode("utf-8")
+    try:
+        return re.compile(raw, re.M)
+    except re.error:
+        pass
+    try:
+        return regex.compile(raw, regex.M | regex.V0)
+    except regex.error as e:
+        raise _fail(src, rid, f"pattern does not compile: {e}") from None
+
+
+def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _fail(src, rid, "example must be an array of tables ([[rule.example]])")
+    out = []
+    for i, ex in enumerate(raw):
+        if not isinstance(ex, dict):
+            raise _fail(src, rid, f"example {i} must be a table")
+        _check_keys(src, rid, ex, _EXAMPLE_KEYS, f"example {i}")
+        if "line" in ex:
+            lines: tuple[str, ...] = (str(ex["line"]),)
+        elif "lines" in ex and isinstance(ex["lines"], list):
+            lines = tuple(str(x) for x in ex["lines"])
+        else:
+            raise _fail(src, rid, f"example {i} needs `line` or `lines`")
+        ev = ex.get("event")
+        if ev is False:
+            ev = None
+        elif ev is not None and not isinstance(ev, dict):
+            raise _fail(src, rid, f"example {i}: `event` must be a table or false")
+        out.append(
+            Example(
+                lines=lines,
+                file=ex.get("file"),
+                event=ev,
+                events=ex.get("events"),
+                state=ex.get("state", {}),
+                metrics=ex.get("metrics"),
+            )
+        )
+    return tuple(out)
+
+
+def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet) -> None:
+    pack = data.get("pack")
+    if not isinstance(pack, dict) or not isinstance(pack.get("id"), str):
+        raise _fail(src, None, 'missing [pack] table with an id (e.g. [pack] id = "mypack")')
+    _check_keys(src, None, pack, _PACK_KEYS, "[pack]")
+    for top in data:
+        if top not in {"pack", "prefix", "rule"}:
+            raise _fail(
+                src, None, f"unknown table {top!r}; a pack has [pack], [[prefix]], [[rule]]"
+            )
+    pack_id = pack["id"]
+    rs.packs.append({**pack, "source": str(src)})
+
+    for raw in data.get("prefix", []):
+        rid = raw.get("id")
+        if not isinstance(rid, str):
+            raise _fail(src, None, "a [[prefix]] entry has no id")
+        _check_keys(src, rid, raw, _PREFIX_KEYS, "[[prefix]]")
+        if rid in seen:
+            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
+        seen[rid] = src
+        pat = raw.get("pattern")
+        if not isinstance(pat, str) or not pat.startswith("^"):
+            raise _fail(src, rid, "a prefix needs a `pattern` anchored with ^")
+        cre = _compile_line(src, rid, pat)
+        rs.prefixes.append(
+            Prefix(rid, pack_id, src, pat, cre, _examples(src, rid, raw.get("example")))
+        )
+
+    for raw in data.get("rule", []):
+        rid = raw.get("id")
+        if not isinstance(rid, str):
+            raise _fail(src, None, "a [[rule]] has no id")
+        _check_keys(src, rid, raw, _RULE_KEYS, "[[rule]]")
+        if rid in seen:
+            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
+        seen[rid] = src
+        rtype = raw.get("type", "event")
+        if rtype not in ("event", "context"):
+            raise _fail(src, rid, f"type must be 'event' or 'context', got {rtype!r}")
+        kind = raw.get("kind")
+        if rtype == "event" and kind not in KINDS:
+            raise _fail(src, rid, f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        lits = raw.get("literals")
+        if (
+            not isinstance(lits, list)
+            or not lits
+            or not all(isinstance(x, str) and x for x in lits)
+        ):
+            raise _fail(src, rid, "`literals` must be a non-empty list of strings")
+        pat = raw.get("pattern")
+        if not isinstance(pat, str) or not pat:
+            raise _fail(src, rid, "missing `pattern`")
+        cre = _compile_line(src, rid, pat)
+        chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
+        groups = tuple(cre.groupindex)
+        types = dict(raw.get("types", {}))
+        for fname, t in types.items():
+            if t not in _TYPES:
+                raise _fail(src, rid, f"types.{fname}: unknown type {t!r} (int, float, str, bytes)")
+        sets = dict(raw.get("set", {}))
+        for k in sets:
+            if k not in _STATE_KEYS:
+                raise _fail(
+                    src, rid, f"set.{k}: not a stream-state key ({', '.join(sorted(_STATE_KEYS))})"
+                )
+        if "stage" in sets and normalize_stage(str(sets["stage"])) is None:
+            raise _fail(src, rid, f"set.stage: expected one of {', '.join(STAGES)}")
+        metrics = dict(raw.get("metrics", {}))
+        for k, g in metrics.items():
+            if k not in METRIC_NAMES:
+                raise _fail(src, rid, f"metrics.{k}: unknown metric ({', '.join(METRIC_NAMES)})")
+            if g not in groups:
+                raise _fail(src, rid, f"metrics.{k}: the pattern has no group named {g!r}")
+        if raw.get("hint") and rtype != "context":
+            raise _fail(src, rid, "`hint = true` is only for context rules")
+        for a in ATTRIBUTES:
+            if a in (raw.get("const") or {}):
+                raise _fail(
+                    src, rid, f"const.{a}: attributes are set with groups or `set`, not const"
+                )
+        rs.rules.append(
+            Rule(
+                id=rid,
+                pack=pack_id,
+                source=src,
+                type=rtype,
+                kind=kind,
+                literals=tuple(lits),
+                pattern=pat,
+                cre=cre,
+                chunk_cre=chunk_cre,
+                set=sets,
+                metrics=metrics,
+                const=dict(raw.get("const", {})),
+                types=types,
+                message=raw.get("message"),
+                hint=bool(raw.get("hint", False)),
+                all_matches=bool(raw.get("all", False)),
+                examples=_examples(src, rid, raw.get("example")),
+                groups=groups,
+            )
+        )
+
+
+def pack_files(dirs: Iterable[Path]) -> list[Path]:
+    files: list[Path] = []
+    for d in dirs:
+        if not d.is_dir():
+            raise RuleError(f"{d}: rule directory not found; fix [detect] rule_dirs in the config")
+        files.extend(sorted(d.glob("*.toml")))
+    return files
+
+
+def load_rules(site_dirs: Sequence[str | Path] = (), *, builtin: bool = True) -> RuleSet:
+    """Load site packs (first: they may take a line before the shipped rules), then shipped ones."""
+    from ..resources import data_dir
+
+    dirs = [Path(d) for d in site_dirs]
+    if builtin:
+        dirs.append(data_dir("parsers"))
+    rs = RuleSet()
+    seen: dict[str, Path] = {}
+    for f in pack_files(dirs):
+        try:
+            data = tomllib.loads(f.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
+        _load_pack(f, data, seen, rs)
+    return rs

@@ -1,0 +1,107 @@
+"""Timestamps in the layouts training stacks print, converted to RFC 3339 UTC.
+
+Naive timestamps are in the node's local time zone (``TZ`` applies), like the logs that carry
+them. Year-less layouts (glog ``E0325 20:57:27``, ``[10-12 14:07:33``) take the year of the
+file's modification time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import time as _time
+
+from ..events import format_utc
+
+# Searched within the first bytes of a line; the first layout that matches wins.
+_FULL = re.compile(
+    r"(?<!\d)(?P<y>(?:19|20)\d\d)[-/](?P<mo>[01]\d)[-/](?P<d>[0-3]\d)[ T_-]"
+    r"(?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
+    r"(?:[.,](?P<frac>\d{1,9}))?(?:\.\d+)*(?P<tz>Z|[+-][01]\d:?[0-5]\d)?"
+)
+_GLOG = re.compile(
+    r"^[IWEF](?P<mo>[01]\d)(?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
+    r"(?:\.(?P<frac>\d{1,9}))?"
+)
+# "[10-12 14:07:33 ..." and mmengine's default datefmt "10/26 11:25:41 - mmengine - ..."
+_SHORT = re.compile(
+    r"^\[?(?P<mo>[01]\d)[-/](?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
+)
+_SCAN = 80  # bytes of a line that may hold its timestamp
+
+
+class TimeParser:
+    """Parses line timestamps; caches the local-time conversion per minute."""
+
+    __slots__ = ("_cache", "default_year")
+
+    def __init__(self, default_year: int | None = None) -> None:
+        self._cache: dict[tuple[int, int, int, int, int], float] = {}
+        self.default_year = default_year or _dt.date.today().year
+
+    def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
+        key = (y, mo, d, h, mi)
+        base = self._cache.get(key)
+        if base is None:
+            try:
+                base = _time.mktime((y, mo, d, h, mi, 0, 0, 0, -1))
+            except (OverflowError, ValueError):
+                return None
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = base
+        return base
+
+    def parse(self, line: str) -> str | None:
+        head = line[:_SCAN]
+        m = _FULL.search(head)
+        year: int | None
+        if m:
+            year = int(m.group("y"))
+        else:
+            m = _GLOG.match(head) or _SHORT.match(head)
+            if not m:
+                return None
+            year = self.default_year
+        return self._from_match(m, year)
+
+    def parse_fields(
+        self,
+        y: int | None,
+        mo: int,
+        d: int,
+        h: int,
+        mi: int,
+        s: int,
+        frac: str | None,
+        tz: str | None = None,
+    ) -> str | None:
+        year = y if y is not None else self.default_year
+        if not (1 <= mo <= 12 and 1 <= d <= 31 and h < 24 and mi < 60 and s < 62):
+            return None
+        fr = float("0." + frac) if frac else 0.0
+        if tz:
+            sign = 1 if tz[0] == "+" else -1
+            off = 0 if tz == "Z" else sign * (int(tz[1:3]) * 3600 + int(tz[-2:]) * 60)
+            try:
+                dt = _dt.datetime(year, mo, d, h, mi, min(s, 59), tzinfo=_dt.timezone.utc)
+            except ValueError:
+                return None
+            return format_utc(dt.timestamp() - off + fr)
+        base = self._epoch(year, mo, d, h, mi)
+        if base is None:
+            return None
+        return format_utc(base + s + fr)
+
+    def _from_match(self, m: re.Match[str], year: int | None) -> str | None:
+        g = m.groupdict()
+        return self.parse_fields(
+            year,
+            int(g["mo"]),
+            int(g["d"]),
+            int(g["h"]),
+            int(g["mi"]),
+            int(g["s"]),
+            g.get("frac"),
+            g.get("tz"),
+        )

@@ -1,0 +1,103 @@
+"""The event vocabulary shared by every stage (see ARCHITECTURE.md, "Vocabulary").
+
+Events are frozen: a detector builds one, the store writes it, nothing mutates it on the way.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time as _time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = (
+    "nan",
+    "overflow",
+    "comm_timeout",
+    "comm_error",
+    "oom",
+    "process_failure",
+    "slowdown",
+    "data_issue",
+)
+STAGES = ("train", "val", "test")
+PHASES = ("forward", "backward", "reduce", "optimizer", "data")
+TAGS = (
+    "actv",
+    "actv_grad",
+    "grad_unreduced",
+    "grad_reduced",
+    "exp_avg",
+    "exp_avg_sq",
+    "param_origin",
+    "param_updated",
+)
+DEVICES = ("npu", "cuda", "cpu")
+
+# Attributes an event carries outside `fields`; a rule's named group with one of these names
+# sets the attribute instead of a field.
+ATTRIBUTES = ("rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One detection, keyed in the store by (source, offset, key): re-reading never doubles it."""
+
+    kind: str
+    message: str
+    offset: int
+    key: str = ""
+    time: str | None = None
+    file: str | None = None
+    line: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    node: str | None = None
+    epoch: int | None = None
+    iter: int | None = None
+    step: int | None = None
+    stage: str | None = None
+    device: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One logged iteration's numbers (for slowdown detection and plots)."""
+
+    offset: int
+    rank: int | None
+    step: int | None
+    epoch: int | None
+    iter: int | None
+    stage: str | None
+    time: str | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_time: float | None = None
+    data_time: float | None = None
+    lr: float | None = None
+    memory: float | None = None
+
+
+def format_utc(ts: float) -> str:
+    """RFC 3339 UTC with milliseconds: 2026-11-30T10:00:00.123Z."""
+    ms = round(ts * 1000)
+    sec, milli = divmod(ms, 1000)
+    return _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + (
+        f".{milli:03d}Z"
+    )
+
+
+def now_utc() -> str:
+    return format_utc(_time.time())
+
+
+def parse_utc(text: str) -> float:
+    """Inverse of :func:`format_utc` (accepts any ISO 8601 with offset or Z)."""
+    t = text.replace("Z", "+00:00")
+    dt = _dt.datetime.fromisoformat(t)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=_dt.timezone.utc)
+    return dt.timestamp()

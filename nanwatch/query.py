@@ -1,0 +1,229 @@
+"""The read side of the store: events, incidents and runs in the vocabulary of ARCHITECTURE.md.
+
+Readers use their own connection (WAL) and never block the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+_EVENT_SELECT = (
+    "SELECT e.id, e.kind, e.time, e.ingested_at, r.name, s.path, e.line, e.rank, e.local_rank, "
+    "e.node, e.epoch, e.iter, e.step, e.stage, e.device, e.message, e.fields, e.incident_id, "
+    "e.offset FROM events e LEFT JOIN runs r ON r.id = e.run_id "
+    "LEFT JOIN sources s ON s.id = e.source_id"
+)
+_EVENT_KEYS = (
+    "id",
+    "kind",
+    "time",
+    "ingested_at",
+    "run",
+    "file",
+    "line",
+    "rank",
+    "local_rank",
+    "node",
+    "epoch",
+    "iter",
+    "step",
+    "stage",
+    "device",
+    "message",
+    "fields",
+    "incident",
+)
+
+
+def _event(row: tuple[Any, ...]) -> dict[str, Any]:
+    d = dict(zip(_EVENT_KEYS, row))
+    d["fields"] = json.loads(d["fields"] or "{}")
+    return d
+
+
+def iter_events(
+    conn: sqlite3.Connection,
+    *,
+    kind: str | None = None,
+    run: str | None = None,
+    incident: int | None = None,
+    limit: int | None = None,
+    newest: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """Events oldest first (``newest``: the last ``limit`` ones, still printed oldest first)."""
+    where: list[str] = []
+    params: list[Any] = []
+    if kind:
+        where.append("e.kind = ?")
+        params.append(kind)
+    if run:
+        where.append("e.run_id = (SELECT id FROM runs WHERE name = ?)")
+        params.append(run)
+    if incident is not None:
+        where.append("e.incident_id = ?")
+        params.append(incident)
+    sql = _EVENT_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+    if newest and limit is not None:
+        sql = f"SELECT * FROM ({sql} ORDER BY e.id DESC LIMIT {int(limit)}) ORDER BY 1"
+    else:
+        sql += " ORDER BY e.id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+    for row in conn.execute(sql, params):
+        yield _event(row)
+
+
+_INCIDENT_SELECT = (
+    "SELECT i.id, i.kind, i.title, i.status, r.name, r.experiment, i.ranks, i.first_time, "
+    "i.last_time, i.event_count, i.origin, i.hints, i.severity, i.detail, i.created_at, "
+    "i.updated_at, i.resolved_at, i.version, r.node, r.job FROM incidents i "
+    "LEFT JOIN runs r ON r.id = i.run_id"
+)
+
+
+def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
+    (
+        iid,
+        kind,
+        title,
+        status,
+        run,
+        experiment,
+        ranks,
+        first,
+        last,
+        count,
+        origin,
+        hints,
+        severity,
+        detail,
+        created,
+        updated,
+        resolved,
+        version,
+        node,
+        job,
+    ) = row
+    return {
+        "id": iid,
+        "kind": kind,
+        "title": title,
+        "status": status,
+        "run": run,
+        "experiment": experiment,
+        "ranks": json.loads(ranks or "[]"),
+        "first_time": first,
+        "last_time": last,
+        "event_count": count,
+        "origin": json.loads(origin or "{}"),
+        "hints": json.loads(hints or "[]"),
+        "severity": severity,
+        "detail": json.loads(detail or "{}"),
+        "created_at": created,
+        "updated_at": updated,
+        "resolved_at": resolved,
+        "version": version,
+        "node": node,
+        "job": job,
+    }
+
+
+def list_incidents(
+    conn: sqlite3.Connection,
+    *,
+    open_only: bool = False,
+    run: str | None = None,
+    kind: str | None = None,
+) -> list[dict[str, Any]]:
+    where, params = [], []
+    if open_only:
+        where.append("i.status = 'open'")
+    if run:
+        where.append("r.name = ?")
+        params.append(run)
+    if kind:
+        where.append("i.kind = ?")
+        params.append(kind)
+    sql = _INCIDENT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY i.id"
+    return [_incident(r) for r in conn.execute(sql, params)]
+
+
+def incident_dict(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
+    row = conn.execute(_INCIDENT_SELECT + " WHERE i.id = ?", (incident_id,)).fetchone()
+    return _incident(row) if row else None
+
+
+def show_incident(
+    conn: sqlite3.Connection, incident_id: int, *, max_events: int | None = None
+) -> dict[str, Any] | None:
+    """An incident with its events (oldest first) and per-rank timeline."""
+    inc = incident_dict(conn, incident_id)
+    if inc is None:
+        return None
+    inc["events"] = list(iter_events(conn, incident=incident_id, limit=max_events))
+    timeline = conn.execute(
+        "SELECT rank, kind, count(*), min(time), max(time), min(step), max(step), min(id) "
+        "FROM events WHERE incident_id = ? GROUP BY rank, kind ORDER BY min(id)",
+        (incident_id,),
+    ).fetchall()
+    inc["timeline"] = [
+        {
+            "rank": r,
+            "kind": k,
+            "count": c,
+            "first_time": t0,
+            "last_time": t1,
+            "first_step": s0,
+            "last_step": s1,
+        }
+        for r, k, c, t0, t1, s0, s1, _ in timeline
+    ]
+    return inc
+
+
+def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT r.id, r.name, r.root, r.launch, r.experiment, r.job, r.node, r.created_at, "
+        "r.facts, (SELECT count(*) FROM sources s WHERE s.run_id = r.id), "
+        "(SELECT count(*) FROM events e WHERE e.run_id = r.id), "
+        "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id), "
+        "(SELECT min(time) FROM events e WHERE e.run_id = r.id), "
+        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id) FROM runs r ORDER BY r.id"
+    ).fetchall()
+    out = []
+    for (
+        rid,
+        name,
+        root,
+        launch,
+        exp,
+        job,
+        node,
+        created,
+        facts,
+        nsrc,
+        nev,
+        ninc,
+        _first_event,
+        _last_metric,
+    ) in rows:
+        out.append(
+            {
+                "id": rid,
+                "name": name,
+                "path": root,
+                "launch": launch or None,
+                "experiment": exp,
+                "job": job,
+                "node": node,
+                "created_at": created,
+                "sources": nsrc,
+                "events": nev,
+                "incidents": ninc,
+                "facts": json.loads(facts or "{}"),
+            }
+        )
+    return out

@@ -1,0 +1,155 @@
+"""Text for people: tables for `events`/`incidents`/`runs`, and the story `show` tells."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+_BOLD = "\x1b[1m"
+_RED = "\x1b[31m"
+_DIM = "\x1b[2m"
+_RESET = "\x1b[0m"
+
+
+def _c(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{_RESET}" if color else text
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, max_width: int = 80) -> str:
+    cells = [[("" if v is None else str(v)) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, v in enumerate(row):
+            widths[i] = min(max(widths[i], len(v)), max_width)
+
+    def fmt(row: Sequence[str]) -> str:
+        out = []
+        for i, v in enumerate(row):
+            if len(v) > widths[i]:
+                v = v[: widths[i] - 1] + "…"
+            out.append(v.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    lines = [fmt(list(headers)), fmt(["-" * w for w in widths])]
+    lines += [fmt(r) for r in cells]
+    return "\n".join(lines)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """[0,1,2,3,5] -> '0-3,5'."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return "-"
+    parts = []
+    start = prev = rs[0]
+    for r in rs[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = r
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(parts)
+
+
+def where_text(o: Mapping[str, Any]) -> str:
+    bits = []
+    if o.get("rank") is not None:
+        bits.append(f"rank {o['rank']}")
+    if o.get("step") is not None:
+        bits.append(f"step {o['step']}")
+    if o.get("epoch") is not None:
+        bits.append(f"epoch {o['epoch']}")
+    if o.get("iter") is not None:
+        bits.append(f"iter {o['iter']}")
+    if o.get("stage"):
+        bits.append(f"stage {o['stage']}")
+    return ", ".join(bits)
+
+
+def origin_text(o: Mapping[str, Any]) -> str:
+    if not o:
+        return "-"
+    text = where_text(o)
+    if o.get("tensor"):
+        t = str(o["tensor"])
+        if o.get("tag"):
+            t += f" ({o['tag']})"
+        if o.get("shape"):
+            t += f" shape {o['shape']}"
+        text += f"; {t}"
+    if o.get("module"):
+        text += f"; module {o['module']}"
+    return text
+
+
+def render_incident_line(inc: Mapping[str, Any], *, prefix: str | None = None) -> str:
+    head = f"[{prefix}] " if prefix else ""
+    return (
+        f"{head}#{inc['id']} {inc['status']} {inc['kind']}: {inc['title']} "
+        f"(ranks {ranks_text(inc.get('ranks', []))}, {inc.get('event_count', 0)} events)"
+    )
+
+
+def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int = 10) -> str:
+    """An incident as a short story: what, where, root cause, timeline, hints, next steps."""
+    o = inc.get("origin") or {}
+    lines = [
+        _c(f"Incident #{inc['id']} [{inc['status']}] {inc['kind']}", _BOLD + _RED, color),
+        f"  {inc['title']}",
+        f"  run: {inc.get('run') or '-'}"
+        + (f"   experiment: {inc['experiment']}" if inc.get("experiment") else "")
+        + (f"   node: {inc['node']}" if inc.get("node") else ""),
+        f"  ranks: {ranks_text(inc.get('ranks', []))}   events: {inc.get('event_count', 0)}   "
+        f"first: {inc.get('first_time') or '-'}   last: {inc.get('last_time') or '-'}",
+    ]
+    detail = inc.get("detail") or {}
+    if detail.get("root_cause"):
+        lines.append(_c("  Root cause: ", _BOLD, color) + str(detail["root_cause"]))
+    lines.append(_c("  Origin: ", _BOLD, color) + origin_text(o))
+    fp = o.get("first_param")
+    if fp:
+        lines.append(
+            f"  First parameter gradient non-finite: {fp.get('tensor')} ({fp.get('tag')}"
+            + (f", shape {fp.get('shape')}" if fp.get("shape") else "")
+            + ")"
+        )
+    for note in detail.get("notes", []):
+        lines.append(f"  - {note}")
+    timeline = inc.get("timeline")
+    if timeline:
+        lines.append(_c("  Timeline:", _BOLD, color))
+        for t in timeline[:20]:
+            rank = "-" if t["rank"] is None else t["rank"]
+            span = t["first_time"] or "-"
+            steps = ""
+            if t.get("first_step") is not None:
+                steps = f" steps {t['first_step']}" + (
+                    f"-{t['last_step']}" if t["last_step"] != t["first_step"] else ""
+                )
+            lines.append(f"    rank {rank:>4}  {t['kind']:<15} x{t['count']:<5} from {span}{steps}")
+        if len(timeline) > 20:
+            lines.append(f"    ... {len(timeline) - 20} more")
+    events = inc.get("events")
+    if events:
+        lines.append(_c("  Events:", _BOLD, color))
+        for e in events[:max_events]:
+            where = where_text(e)
+            lines.append(
+                f"    #{e['id']} {e.get('time') or '-'} {e['kind']} [{where}] {e['message'][:160]}"
+            )
+            if e.get("file"):
+                lines.append(_c(f"        {e['file']}:{e.get('line') or '?'}", _DIM, color))
+        if len(events) > max_events:
+            lines.append(f"    ... {inc.get('event_count', len(events)) - max_events} more")
+    hints = inc.get("hints") or []
+    if hints:
+        lines.append(_c("  Known causes:", _BOLD, color))
+        for h in hints:
+            lines.append(f"    * {h.get('title')}")
+            for para in str(h.get("text", "")).strip().splitlines():
+                lines.append(f"      {para}")
+            for cmd in h.get("commands", []):
+                lines.append(_c(f"      $ {cmd}", _DIM, color))
+    lines.append(f"  More: nanwatch show {inc['id']}")
+    return "\n".join(lines)

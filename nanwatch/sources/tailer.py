@@ -1,0 +1,560 @@
+"""Following files: identity, offsets, rotation, truncation, complete lines only.
+
+Identity is not the path (ARCHITECTURE.md, invariant 3): a record is one generation of one
+inode. A file found smaller than its committed offset, or whose bytes just before the offset
+changed, starts a new generation from 0. A file that appears while a known one was just
+truncated or renamed, and holds that file's bytes before its committed offset, is its rotated
+copy (logrotate ``copytruncate``): reading resumes there instead of from 0. Files that already
+lived side by side are never copies of each other, even with identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ..stream import StreamState
+from .discover import Root, rank_from_path, sniff_bytes, walk
+
+log = logging.getLogger("nanwatch.sources")
+
+HEAD = 1024  # bytes hashed for the head checksum
+TAIL = 256  # bytes before the committed offset checked before every read
+MAX_LINE = 1 << 20  # a longer line is cut to this many bytes and counted
+READ_CHUNK = 4 << 20
+COPY_GRACE = 10.0  # seconds a new file may wait for its twin's truncation
+MAX_OPEN = 512
+
+
+# logrotate names: name.1, name.1.gz, name-20261130, name-2026113012, name.20261130
+_ROTATED_SUFFIX = re.compile(
+    r"^(?:[.-]\d{1,10}|[.-]\d{8}(?:[-_]?\d{2,6})?)(?:\.gz|\.bz2|\.xz|\.zst)?$"
+)
+
+
+def rotated_name_of(candidate: str, original: str) -> bool:
+    """Is ``candidate`` a rotated sibling's name of ``original`` (rank0.log -> rank0.log.1)?"""
+    a, b = os.path.basename(candidate), os.path.basename(original)
+    if not a.startswith(b) or a == b:
+        return False
+    return bool(_ROTATED_SUFFIX.match(a[len(b) :]))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+@dataclass
+class SourceRecord:
+    """One generation of one file. ``id`` is its row in the store once committed."""
+
+    path: str
+    root: Root
+    dev: int
+    ino: int
+    run_id: int | None = None
+    id: int | None = None
+    gen: int = 0
+    offset: int = 0
+    head_hash: str | None = None
+    head_len: int = 0
+    tail_hash: str | None = None
+    size: int = 0
+    status: str = "active"  # active | pending | rotated | truncated | gone | unreadable
+    state: StreamState = field(default_factory=StreamState)
+    cutting: bool = False  # inside an over-long line whose rest is being skipped
+    lines_cut: int = 0
+    since: float = field(default_factory=time.monotonic)
+    copy_of: SourceRecord | None = None
+    fd: int | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.dev, self.ino)
+
+
+@dataclass
+class Chunk:
+    """Complete lines read from one record, with the offset to commit once they are processed."""
+
+    record: SourceRecord
+    data: bytes
+    start: int  # offset of data[0]
+    end: int  # offset to commit (after skipped bytes of a cut line)
+    tail_hash: str | None
+    head_hash: str | None
+    head_len: int
+    cutting: bool
+    cut: int = 0  # lines cut in this chunk
+    final: bool = False  # an unterminated last line given for processing only (scan)
+
+
+class Tracker:
+    """Keeps the records of every followed file and reads what is new in them."""
+
+    def __init__(
+        self,
+        roots: list[Root],
+        assign_run: Callable[[Root, str], int],
+        *,
+        known: Iterable[SourceRecord] = (),
+        live: bool = True,
+        max_line: int = MAX_LINE,
+        read_chunk: int = READ_CHUNK,
+    ) -> None:
+        self.roots = roots
+        self.assign_run = assign_run
+        self.live = live
+        self.max_line = max_line
+        self.read_chunk = read_chunk
+        self.records: dict[tuple[int, int], SourceRecord] = {}
+        self.retired: list[SourceRecord] = []  # recently truncated/rotated generations
+        self.ignored: dict[tuple[int, int], float] = {}  # binary files (by identity)
+        self.unreadable: dict[str, float] = {}
+        self._open: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.counters: dict[str, int] = {
+            "files_binary": 0,
+            "lines_cut": 0,
+            "rotations": 0,
+            "truncations": 0,
+            "unreadable": 0,
+        }
+        for rec in known:
+            if rec.status == "active":
+                self.records[rec.key] = rec
+            else:
+                self.retired.append(rec)
+        self._first = True
+
+    # -- discovery -------------------------------------------------------------------------------
+
+    def root_for(self, path: str) -> Root | None:
+        for r in self.roots:
+            if r.contains(path):
+                return r
+        return None
+
+    def discover(self) -> list[SourceRecord]:
+        """Walk every root; start records for new files; notice renames, truncations, deletions."""
+        seen: set[tuple[int, int]] = set()
+        new: list[SourceRecord] = []
+        initial = self._first
+        self._first = False
+        for root in self.roots:
+            for path in walk(root):
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    continue  # hard link or the same file under two roots
+                seen.add(key)
+                rec = self.records.get(key)
+                if rec is not None:
+                    if rec.path != path:
+                        log.info("%s: renamed to %s; following it", rec.path, path)
+                        self.counters["rotations"] += 1
+                        rec.path = path
+                    continue
+                if key in self.ignored:
+                    continue
+                created = self._new_file(root, path, st, initial)
+                if created is not None:
+                    new.append(created)
+        # Records whose inode is no longer under any root: drain what is left, then retire.
+        for key, rec in list(self.records.items()):
+            if key in seen or rec.status == "pending":
+                continue
+            if rec.fd is not None:
+                continue  # still readable through the open descriptor; retired once drained
+            self._retire(rec, "gone")
+        return new
+
+    def _new_file(
+        self, root: Root, path: str, st: os.stat_result, initial: bool
+    ) -> SourceRecord | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except PermissionError:
+            if path not in self.unreadable:
+                log.warning("%s: permission denied; grant read access to follow it", path)
+                self.counters["unreadable"] += 1
+            self.unreadable[path] = time.monotonic()
+            return None
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, 4096, 0)
+        except OSError:
+            os.close(fd)
+            return None
+        kind = sniff_bytes(head)
+        key = (st.st_dev, st.st_ino)
+        if kind == "binary":
+            os.close(fd)
+            self.ignored[key] = time.monotonic()
+            self.counters["files_binary"] += 1
+            return None
+        self.unreadable.pop(path, None)
+        rec = SourceRecord(path=path, root=root, dev=st.st_dev, ino=st.st_ino, size=st.st_size)
+        rec.state.rank = rank_from_path(path, root.base)
+        rec.fd = fd
+        self._remember_fd(rec)
+        twin = self._copy_candidate(rec, fd, st.st_size)
+        if twin is not None:
+            if self._twin_rotated(twin):
+                self._continue_from(rec, twin)
+            elif self.live and not initial:
+                rec.status = "pending"  # may be a copytruncate copy made just before truncation
+                rec.copy_of = twin
+        rec.run_id = self.assign_run(root, path) if rec.copy_of is None else twin.run_id  # type: ignore[union-attr]
+        if rec.run_id is None:
+            rec.run_id = self.assign_run(root, path)
+        self.records[key] = rec
+        return rec
+
+    def _copy_candidate(self, rec: SourceRecord, fd: int, size: int) -> SourceRecord | None:
+        """A known generation in the same folder whose bytes before its offset this file holds."""
+        folder = os.path.dirname(rec.path)
+        pool = [*self.records.values(), *self.retired]
+        for other in pool:
+            if other is rec or other.offset <= 0 or other.tail_hash is None:
+                continue
+            if os.path.dirname(other.path) != folder or size < other.offset:
+                continue
+            if not rotated_name_of(rec.path, other.path):
+                continue  # side-by-side files (rank0.log, rank6.log) share banners, not identity
+            if other.head_hash is not None:
+                try:
+                    head = os.pread(fd, other.head_len, 0)
+                except OSError:
+                    return None
+                if _digest(head) != other.head_hash:
+                    continue
+            lo = max(0, other.offset - TAIL)
+            try:
+                tail = os.pread(fd, other.offset - lo, lo)
+            except OSError:
+                return None
+            if _digest(tail) == other.tail_hash:
+                return other
+        return None
+
+    def _twin_rotated(self, twin: SourceRecord) -> bool:
+        """Was ``twin`` just truncated or renamed away (so a copy of it is its rotation)?"""
+        if twin.status in ("truncated", "rotated"):
+            return True
+        try:
+            st = os.stat(twin.path)
+        except OSError:
+            return twin.fd is not None  # renamed out of sight while we still hold it
+        if (st.st_dev, st.st_ino) != twin.key:
+            return True
+        return st.st_size < twin.offset
+
+    def _continue_from(self, rec: SourceRecord, twin: SourceRecord) -> None:
+        log.info("%s: rotated copy of %s; reading from byte %d", rec.path, twin.path, twin.offset)
+        self.counters["rotations"] += 1
+        rec.offset = twin.offset
+        rec.tail_hash = twin.tail_hash
+        rec.head_hash = twin.head_hash
+        rec.head_len = twin.head_len
+        rec.state = StreamState.from_json(twin.state.to_json())
+        rec.cutting = twin.cutting
+        rec.run_id = twin.run_id
+        rec.status = "active"
+        rec.copy_of = None
+        if twin.status in ("truncated", "rotated"):
+            twin.status = "copied"
+        else:
+            # the twin still shows the old bytes: it will be found truncated on its next check
+            twin.status = "copied-pending"
+
+    def settle_pending(self) -> list[SourceRecord]:
+        """Decide files that waited to learn whether they are rotated copies; return them."""
+        now = time.monotonic()
+        settled = []
+        for rec in list(self.records.values()):
+            if rec.status != "pending" or rec.copy_of is None:
+                continue
+            twin = rec.copy_of
+            self.check(twin)
+            if self._twin_rotated(twin):
+                self._continue_from(rec, twin)
+                settled.append(rec)
+            elif now - rec.since > COPY_GRACE:
+                rec.status = "active"
+                rec.copy_of = None
+                settled.append(rec)
+        return settled
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _remember_fd(self, rec: SourceRecord) -> None:
+        assert rec.fd is not None
+        self._open[rec.key] = rec.fd
+        self._open.move_to_end(rec.key)
+        while len(self._open) > MAX_OPEN:
+            key, fd = self._open.popitem(last=False)
+            old = self.records.get(key)
+            if old is not None and old.fd == fd:
+                old.fd = None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _ensure_fd(self, rec: SourceRecord) -> int | None:
+        if rec.fd is not None:
+            self._open.move_to_end(rec.key)
+            return rec.fd
+        try:
+            fd = os.open(rec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != rec.key:
+            os.close(fd)
+            return None
+        rec.fd = fd
+        self._remember_fd(rec)
+        return fd
+
+    def close_fd(self, rec: SourceRecord) -> None:
+        if rec.fd is not None:
+            self._open.pop(rec.key, None)
+            try:
+                os.close(rec.fd)
+            except OSError:
+                pass
+            rec.fd = None
+
+    def _retire(self, rec: SourceRecord, status: str) -> None:
+        self.close_fd(rec)
+        rec.status = status
+        self.records.pop(rec.key, None)
+        if status in ("truncated", "rotated"):
+            rec.since = time.monotonic()
+            self.retired.append(rec)
+            self.retired = self.retired[-256:]
+
+    def check(self, rec: SourceRecord) -> str:
+        """Verify a record before reading: 'ok', 'truncated', 'replaced' or 'gone'."""
+        if rec.status not in ("active", "copied-pending", "pending"):
+            return rec.status
+        fd = self._ensure_fd(rec)
+        if fd is None:
+            return "gone"
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return "gone"
+        rec.size = st.st_size
+        if st.st_size < rec.offset:
+            return "truncated"
+        if rec.offset > 0 and rec.tail_hash is not None:
+            lo = max(0, rec.offset - TAIL)
+            try:
+                tail = os.pread(fd, rec.offset - lo, lo)
+            except OSError:
+                return "gone"
+            if _digest(tail) != rec.tail_hash:
+                return "replaced"
+        return "ok"
+
+    def restart_generation(self, rec: SourceRecord, why: str) -> SourceRecord:
+        """The file under this identity now holds new content: retire the old generation."""
+        self.counters["truncations"] += 1
+        log.info("%s: %s; reading it again from the start", rec.path, why)
+        fresh = SourceRecord(
+            path=rec.path,
+            root=rec.root,
+            dev=rec.dev,
+            ino=rec.ino,
+            run_id=rec.run_id,
+            gen=rec.gen + 1,
+        )
+        fresh.state = StreamState(
+            rank=rec.state.rank,
+            local_rank=rec.state.local_rank,
+            node=rec.state.node,
+            device=rec.state.device,
+        )
+        fd = rec.fd
+        rec.fd = None
+        self._open.pop(rec.key, None)
+        rec.status = "truncated"
+        rec.since = time.monotonic()
+        self.retired.append(rec)
+        self.retired = self.retired[-256:]
+        fresh.fd = fd
+        if fd is not None:
+            self._remember_fd(fresh)
+        self.records[fresh.key] = fresh
+        return fresh
+
+    def read(self, rec: SourceRecord, *, final: bool = False) -> Iterator[Chunk]:
+        """Yield chunks of complete new lines; ``final`` also gives an unterminated last line."""
+        if rec.status == "pending":
+            return
+        verdict = self.check(rec)
+        if verdict in ("truncated", "replaced"):
+            if rec.status == "copied-pending":
+                rec.status = "copied"
+                self._retire(rec, "copied")
+            rec = self.restart_generation(
+                rec, "truncated" if verdict == "truncated" else "content before the offset changed"
+            )
+        elif verdict == "gone":
+            self._retire(rec, "gone")
+            return
+        if rec.status == "copied-pending":
+            rec.status = "active"  # not truncated after all: the copy was a plain copy
+        fd = rec.fd
+        if fd is None:
+            return
+        offset = rec.offset
+        cutting = rec.cutting
+        head_hash, head_len = rec.head_hash, rec.head_len
+        while True:
+            try:
+                data = os.pread(fd, self.read_chunk, offset)
+            except OSError as e:
+                log.warning("%s: read failed (%s); will retry", rec.path, e.strerror)
+                return
+            if not data:
+                return
+            start = offset
+            skipped = 0
+            if cutting:
+                nl = data.find(b"\n")
+                if nl < 0:
+                    offset += len(data)
+                    yield self._chunk(rec, b"", start, offset, head_hash, head_len, True)
+                    if len(data) < self.read_chunk:
+                        return
+                    continue
+                skipped = nl + 1
+                cutting = False
+            body = data[skipped:]
+            last = body.rfind(b"\n")
+            cut = 0
+            if last < 0:
+                if len(body) >= self.max_line:
+                    # over-long line: keep its first max_line bytes as a line, skip the rest
+                    self.counters["lines_cut"] += 1
+                    rec.lines_cut += 1
+                    log.warning(
+                        "%s: line at byte %d longer than %d bytes; cut",
+                        rec.path,
+                        start + skipped,
+                        self.max_line,
+                    )
+                    line = body[: self.max_line] + b"\n"
+                    offset = start + len(data)
+                    if head_len < HEAD:
+                        head_hash, head_len = self._head(fd)
+                    yield self._chunk(
+                        rec, line, start + skipped, offset, head_hash, head_len, True, 1
+                    )
+                    cutting = True
+                    continue
+                if final and body:
+                    yield Chunk(
+                        rec,
+                        body + b"\n",
+                        start + skipped,
+                        start + skipped,
+                        None,
+                        head_hash,
+                        head_len,
+                        cutting,
+                        0,
+                        True,
+                    )
+                if skipped:
+                    offset = start + skipped
+                    yield self._chunk(rec, b"", start, offset, head_hash, head_len, False)
+                return
+            lines = body[: last + 1]
+            offset = start + skipped + last + 1
+            if head_len < HEAD:
+                head_hash, head_len = self._head(fd)
+            yield self._chunk(rec, lines, start + skipped, offset, head_hash, head_len, False, cut)
+            if len(data) < self.read_chunk and final and last + 1 < len(body):
+                rest = body[last + 1 :]
+                yield Chunk(
+                    rec, rest + b"\n", offset, offset, None, head_hash, head_len, False, 0, True
+                )
+                return
+
+    def _head(self, fd: int) -> tuple[str | None, int]:
+        try:
+            head = os.pread(fd, HEAD, 0)
+        except OSError:
+            return None, 0
+        return _digest(head), len(head)
+
+    def _chunk(
+        self,
+        rec: SourceRecord,
+        data: bytes,
+        start: int,
+        end: int,
+        head_hash: str | None,
+        head_len: int,
+        cutting: bool,
+        cut: int = 0,
+    ) -> Chunk:
+        tail_hash = None
+        if end > 0 and rec.fd is not None:
+            lo = max(0, end - TAIL)
+            try:
+                tail_hash = _digest(os.pread(rec.fd, end - lo, lo))
+            except OSError:
+                tail_hash = None
+        return Chunk(rec, data, start, end, tail_hash, head_hash, head_len, cutting, cut)
+
+    def committed(self, chunk: Chunk) -> None:
+        """The store has the chunk's events and offset: move the record forward."""
+        if chunk.final:
+            return
+        rec = chunk.record
+        rec.offset = chunk.end
+        rec.tail_hash = chunk.tail_hash
+        rec.head_hash = chunk.head_hash
+        rec.head_len = chunk.head_len
+        rec.cutting = chunk.cutting
+        rec.lines_cut += 0
+
+    def drain_vanished(self) -> list[SourceRecord]:
+        """Records whose path no longer shows their inode but whose descriptor is still open."""
+        out = []
+        for rec in list(self.records.values()):
+            if rec.fd is None or rec.status != "active":
+                continue
+            try:
+                st = os.stat(rec.path)
+                same = (st.st_dev, st.st_ino) == rec.key
+            except OSError:
+                same = False
+            if not same:
+                out.append(rec)
+        return out
+
+    def close(self) -> None:
+        for rec in list(self.records.values()):
+            self.close_fd(rec)
+        for fd in self._open.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._open.clear()

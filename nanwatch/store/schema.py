@@ -1,0 +1,160 @@
+"""Numbered schema migrations. ``PRAGMA user_version`` is the number of the last one applied.
+
+A migration is appended, never edited once released.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    # 1: the whole pipeline: runs, sources/offsets, events, metrics, incidents, outbox.
+    """
+    CREATE TABLE runs (
+        id INTEGER PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        root TEXT NOT NULL,
+        launch TEXT NOT NULL DEFAULT '',
+        experiment TEXT,
+        job TEXT,
+        node TEXT,
+        created_at TEXT NOT NULL,
+        first_time TEXT,
+        last_time TEXT,
+        facts TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE UNIQUE INDEX runs_root_launch ON runs(root, launch);
+
+    CREATE TABLE sources (
+        id INTEGER PRIMARY KEY,
+        run_id INTEGER REFERENCES runs(id),
+        path TEXT NOT NULL,
+        root TEXT NOT NULL,
+        dev INTEGER NOT NULL,
+        ino INTEGER NOT NULL,
+        gen INTEGER NOT NULL DEFAULT 0,
+        offset INTEGER NOT NULL DEFAULT 0,
+        head_hash TEXT,
+        head_len INTEGER NOT NULL DEFAULT 0,
+        tail_hash TEXT,
+        cutting INTEGER NOT NULL DEFAULT 0,
+        lines_cut INTEGER NOT NULL DEFAULT 0,
+        status TEXT NOT NULL DEFAULT 'active',
+        ctx TEXT,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL
+    );
+    CREATE UNIQUE INDEX sources_identity ON sources(dev, ino, gen);
+    CREATE INDEX sources_status ON sources(status);
+
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        time TEXT,
+        ingested_at TEXT NOT NULL,
+        run_id INTEGER REFERENCES runs(id),
+        source_id INTEGER REFERENCES sources(id),
+        offset INTEGER NOT NULL,
+        key TEXT NOT NULL DEFAULT '',
+        line INTEGER,
+        rank INTEGER,
+        local_rank INTEGER,
+        node TEXT,
+        epoch INTEGER,
+        iter INTEGER,
+        step INTEGER,
+        stage TEXT,
+        device TEXT,
+        message TEXT NOT NULL,
+        fields TEXT NOT NULL DEFAULT '{}',
+        incident_id INTEGER
+    );
+    CREATE UNIQUE INDEX events_identity ON events(source_id, offset, key);
+    CREATE INDEX events_kind ON events(kind, id);
+    CREATE INDEX events_run ON events(run_id, kind, id);
+    CREATE INDEX events_incident ON events(incident_id, id);
+
+    CREATE TABLE metrics (
+        id INTEGER PRIMARY KEY,
+        run_id INTEGER REFERENCES runs(id),
+        source_id INTEGER REFERENCES sources(id),
+        offset INTEGER NOT NULL,
+        rank INTEGER,
+        step INTEGER,
+        epoch INTEGER,
+        iter INTEGER,
+        stage TEXT,
+        time TEXT,
+        loss REAL,
+        grad_norm REAL,
+        step_time REAL,
+        data_time REAL,
+        lr REAL,
+        memory REAL
+    );
+    CREATE UNIQUE INDEX metrics_identity ON metrics(source_id, offset);
+    CREATE INDEX metrics_run ON metrics(run_id, rank, step);
+
+    CREATE TABLE incidents (
+        id INTEGER PRIMARY KEY,
+        run_id INTEGER REFERENCES runs(id),
+        kind TEXT NOT NULL,
+        key TEXT NOT NULL,
+        title TEXT NOT NULL,
+        status TEXT NOT NULL DEFAULT 'open',
+        severity TEXT NOT NULL DEFAULT 'critical',
+        ranks TEXT NOT NULL DEFAULT '[]',
+        first_time TEXT,
+        last_time TEXT,
+        event_count INTEGER NOT NULL DEFAULT 0,
+        origin TEXT NOT NULL DEFAULT '{}',
+        hints TEXT NOT NULL DEFAULT '[]',
+        detail TEXT NOT NULL DEFAULT '{}',
+        root_event_id INTEGER,
+        version INTEGER NOT NULL DEFAULT 1,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        resolved_at TEXT
+    );
+    CREATE INDEX incidents_run ON incidents(run_id, kind, status);
+    CREATE INDEX incidents_status ON incidents(status, id);
+
+    CREATE TABLE outbox (
+        id INTEGER PRIMARY KEY,
+        incident_id INTEGER,
+        sink TEXT NOT NULL,
+        action TEXT NOT NULL,
+        payload TEXT NOT NULL DEFAULT '{}',
+        dedup_key TEXT NOT NULL UNIQUE,
+        created_at TEXT NOT NULL,
+        due_at REAL NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        last_error TEXT,
+        delivered_at TEXT
+    );
+    CREATE INDEX outbox_pending ON outbox(sink, delivered_at, due_at);
+
+    CREATE TABLE messages (
+        incident_id INTEGER NOT NULL,
+        sink TEXT NOT NULL,
+        channel TEXT,
+        ts TEXT,
+        thread_ts TEXT,
+        posted_at TEXT NOT NULL,
+        updated_at TEXT,
+        PRIMARY KEY (incident_id, sink)
+    );
+
+    CREATE TABLE silences (
+        id INTEGER PRIMARY KEY,
+        run TEXT,
+        kind TEXT,
+        until REAL NOT NULL,
+        created_at TEXT NOT NULL,
+        comment TEXT
+    );
+
+    CREATE TABLE meta (
+        key TEXT PRIMARY KEY,
+        value TEXT
+    );
+    """,
+]

@@ -1,0 +1,40 @@
+"""What a stream (one followed file) knows at its committed offset.
+
+Stored as JSON with the offset, in the same transaction, so a restart resumes with the same
+stage, epoch, iteration and line count it had.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StreamState:
+    """What a stream knows at its committed offset; stored with the offset, in one transaction."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    node: str | None = None
+    device: str | None = None
+    stage: str | None = None
+    epoch: int | None = None
+    iter: int | None = None
+    iters: int | None = None
+    step: int | None = None
+    hint_stage: str | None = None
+    hint_line: int = 0
+    last_time: str | None = None
+    line_no: int = 0  # complete lines consumed before the committed offset
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, 0)})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> StreamState:
+        if not text:
+            return cls()
+        data = json.loads(text)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
