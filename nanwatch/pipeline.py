@@ -170,6 +170,8 @@ class Pipeline:
             states: dict[int, StreamState] = {}
             for chunk in self.tracker.read(rec, final=final):
                 r = chunk.record
+                if r.run_id is None:
+                    r.run_id = self._assign_run(r.root, r.path)
                 st = states.get(id(r))
                 if st is None:
                     st = copy.copy(r.state)
@@ -364,6 +366,12 @@ class Pipeline:
                 if self.outbox is not None:
                     self.outbox.record(sender.drain_results())
             self.tracker.close()
+
+    def run_ids(self) -> list[int]:
+        """The runs of every file these paths cover (read now or before)."""
+        ids = {r.run_id for r in self.tracker.records.values() if r.run_id is not None}
+        ids |= {r.run_id for r in self.tracker.retired if r.run_id is not None}
+        return sorted(ids | self.stats.runs)
 
     def counters(self) -> dict[str, Any]:
         return dict(self.tracker.counters)

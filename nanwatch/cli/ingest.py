@@ -149,7 +149,7 @@ def scan(
         pipe.scan()
         undelivered = pipe.deliver_all() if notify else 0
         elapsed = time.monotonic() - started
-        runs = sorted(pipe.stats.runs)
+        runs = pipe.run_ids()
         names = (
             [
                 r[0]

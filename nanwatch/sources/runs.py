@@ -40,7 +40,32 @@ def run_key(root: Root, path: str) -> RunKey:
             parent = rel[i - 1] if i > 0 else root_name
             launch = "/".join(rel[: i + 1])
             return RunKey(root.path, launch, f"{root_name}/{launch}", parent)
+    # A file beside launch folders (mmengine's config dump `20261130_101500.py`,
+    # `last_checkpoint`) belongs to the launch its name carries, else to the newest one.
+    sibling = _launch_beside(path)
+    if sibling is not None and root.kind != "file":
+        folder = os.path.dirname(path)
+        launch = "/".join([*rel, sibling]) if rel else sibling
+        parent = os.path.basename(folder) or root_name
+        return RunKey(root.path, launch, f"{root_name}/{launch}", parent)
     return RunKey(root.path, "", root_name, experiment)
+
+
+def _launch_beside(path: str) -> str | None:
+    folder = os.path.dirname(path)
+    try:
+        launches = sorted(
+            e.name for e in os.scandir(folder) if e.is_dir() and _MMENGINE_TS.match(e.name)
+        )
+    except OSError:
+        return None
+    if not launches:
+        return None
+    name = os.path.basename(path)
+    for launch in launches:
+        if launch in name:
+            return launch
+    return launches[-1]
 
 
 def _root_name(root: Root) -> str:

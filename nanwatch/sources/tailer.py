@@ -214,8 +214,11 @@ class Tracker:
             elif self.live and not initial:
                 rec.status = "pending"  # may be a copytruncate copy made just before truncation
                 rec.copy_of = twin
-        rec.run_id = self.assign_run(root, path) if rec.copy_of is None else twin.run_id  # type: ignore[union-attr]
-        if rec.run_id is None:
+        if rec.copy_of is not None:
+            rec.run_id = rec.copy_of.run_id
+        elif st.st_size > 0:
+            # an empty file (stdout opened before the job starts) is placed once it has bytes:
+            # by then the launch folder it belongs to usually exists
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec

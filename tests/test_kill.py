@@ -1,0 +1,117 @@
+"""Real processes: SIGKILL `watch` while a writer appends; nothing lost, nothing duplicated."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import NANWATCH, wait_for
+from .test_sources import nan_line
+
+pytestmark = pytest.mark.slow
+
+
+def start_watch(db: Path, path: Path, log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("ab")
+    try:
+        return subprocess.Popen(
+            [*NANWATCH, "watch", "--quiet", "--db", str(db), str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        out.close()
+
+
+def event_count(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return 0
+
+
+def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    seed = int(os.environ.get("NANWATCH_TEST_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    db = tmp_path / "nw.db"
+    out = tmp_path / "watch.out"
+    ranks, per_rank = 3, 200
+    done = threading.Event()
+
+    def writer() -> None:
+        handles = [open(logs / f"rank{r}.log", "a", buffering=1) for r in range(ranks)]  # noqa: SIM115
+        try:
+            for i in range(1, per_rank + 1):
+                for h in handles:
+                    h.write(nan_line(i))
+                time.sleep(0.004)
+        finally:
+            for h in handles:
+                h.close()
+            done.set()
+
+    t = threading.Thread(target=writer, name="writer")
+    proc = start_watch(db, logs, out)
+    t.start()
+    try:
+        for _ in range(3):
+            time.sleep(rng.uniform(0.2, 0.7))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            proc = start_watch(db, logs, out)
+        t.join(60)
+        assert done.is_set()
+        expected = ranks * per_rank
+        wait_for(lambda: event_count(db) >= expected, timeout=60, what=f"{expected} events")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        t.join(60)
+    conn = sqlite3.connect(db)
+    rows = conn.execute(
+        "SELECT s.path, e.iter FROM events e JOIN sources s ON s.id = e.source_id"
+    ).fetchall()
+    conn.close()
+    got = sorted((Path(p).name, i) for p, i in rows)
+    want = sorted((f"rank{r}.log", i) for r in range(ranks) for i in range(1, per_rank + 1))
+    assert got == want, f"seed {seed}: {len(got)} events, want {len(want)}"
+
+
+def test_sigterm_exits_zero_quickly(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text(nan_line(1))
+    db = tmp_path / "nw.db"
+    proc = start_watch(db, logs, tmp_path / "out")
+    try:
+        wait_for(lambda: event_count(db) == 1, timeout=30, what="the first event")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sys.executable

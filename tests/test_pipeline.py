@@ -1,0 +1,122 @@
+"""The pipeline: runs, idempotent scans, incidents."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from nanwatch.config import Config
+from nanwatch.pipeline import Pipeline
+from nanwatch.query import list_incidents, list_runs
+from nanwatch.simulate import TrainingRun
+from nanwatch.store import Store
+
+
+def scan(db: Path, *paths: str, run: str | None = None) -> Pipeline:
+    store = Store.open(db)
+    try:
+        pipe = Pipeline(Config(), store, list(paths), run=run)
+        pipe.scan()
+        return pipe
+    finally:
+        store.close()
+
+
+def count(db: Path, sql: str) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute(sql).fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_scan_twice_adds_nothing(tmp_path: Path, db: Path) -> None:
+    run = TrainingRun(tmp_path / "wd" / "exp", ranks=3)
+    run.write()
+    scan(db, str(run.work_dir))
+    n = count(db, "SELECT count(*) FROM events")
+    m = count(db, "SELECT count(*) FROM metrics")
+    assert n > 0 and m > 0
+    scan(db, str(run.work_dir))
+    assert count(db, "SELECT count(*) FROM events") == n
+    assert count(db, "SELECT count(*) FROM metrics") == m
+    assert count(db, "SELECT count(*) FROM incidents") == 1
+
+
+def test_origin_is_earliest_step_then_rank(tmp_path: Path, db: Path) -> None:
+    run = TrainingRun(tmp_path / "wd" / "exp", ranks=8, nan_rank=6, nan_at=(1, 10))
+    run.write()
+    scan(db, str(run.work_dir))
+    store = Store.open(db, readonly=True)
+    (inc,) = list_incidents(store.conn)
+    store.close()
+    assert inc["kind"] == "nan"
+    assert inc["origin"]["rank"] == 6
+    assert (inc["origin"]["epoch"], inc["origin"]["iter"], inc["origin"]["step"]) == (1, 10, 10)
+    assert inc["ranks"] == list(range(8))
+
+
+def test_launch_folders_split_into_runs_of_one_experiment(tmp_path: Path, db: Path) -> None:
+    wd = tmp_path / "work_dirs" / "dino"
+    TrainingRun(wd, timestamp="20261130_101500", ranks=2, nan_rank=1).write()
+    TrainingRun(wd, timestamp="20261201_090000", ranks=2, nan_rank=0).write()
+    scan(db, str(wd))
+    store = Store.open(db, readonly=True)
+    runs = list_runs(store.conn)
+    incidents = list_incidents(store.conn)
+    store.close()
+    assert [r["name"] for r in runs] == ["dino/20261130_101500", "dino/20261201_090000"]
+    assert {r["experiment"] for r in runs} == {"dino"}
+    # events of different runs never merge
+    assert len(incidents) == 2
+    assert sorted(i["origin"]["rank"] for i in incidents) == [0, 1]
+
+
+def test_forced_run_name(tmp_path: Path, db: Path) -> None:
+    a = TrainingRun(tmp_path / "a", ranks=1, nan_rank=0)
+    b = TrainingRun(tmp_path / "b", ranks=1, nan_rank=0)
+    a.write()
+    b.write()
+    scan(db, str(a.work_dir), str(b.work_dir), run="job42")
+    store = Store.open(db, readonly=True)
+    runs = list_runs(store.conn)
+    incidents = list_incidents(store.conn)
+    store.close()
+    assert [r["name"] for r in runs] == ["job42"]
+    assert len(incidents) == 1
+
+
+def test_each_path_is_one_run(tmp_path: Path, db: Path) -> None:
+    for name in ("job1", "job2"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "rank0.log").write_text(
+            "2026/11/30 10:00:00 - mmengine - INFO - Epoch(train)  [1][5/10]  lr: 1e-4  "
+            "eta: 0:00:10  time: 0.5  data_time: 0.01  memory: 1  loss: nan\n"
+        )
+    scan(db, str(tmp_path / "job1"), str(tmp_path / "job2"))
+    store = Store.open(db, readonly=True)
+    assert [r["name"] for r in list_runs(store.conn)] == ["job1", "job2"]
+    assert len(list_incidents(store.conn)) == 2
+    store.close()
+
+
+def test_unterminated_last_line_is_detected_by_scan_but_not_committed(
+    tmp_path: Path, db: Path
+) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    line = (
+        "2026/11/30 10:00:00 - mmengine - INFO - Epoch(train)  [1][5/10]  lr: 1e-4  "
+        "eta: 0:00:10  time: 0.5  data_time: 0.01  memory: 1  loss: nan"
+    )
+    log.write_text(line)  # a crash left no newline
+    scan(db, str(d))
+    assert count(db, "SELECT count(*) FROM events") == 1
+    assert count(db, "SELECT offset FROM sources") == 0
+    with log.open("a") as f:
+        f.write("\n")
+    scan(db, str(d))
+    assert count(db, "SELECT count(*) FROM events") == 1  # same bytes, same row
+    assert count(db, "SELECT offset FROM sources") == len(line) + 1

@@ -1,0 +1,300 @@
+"""Sources: complete lines only, identity not path, rotation, truncation, binaries, restarts."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import sqlite3
+import zipfile
+from pathlib import Path
+
+from nanwatch.config import Config
+from nanwatch.pipeline import Pipeline
+from nanwatch.sources.discover import rank_from_path, sniff_bytes
+from nanwatch.sources.tailer import rotated_name_of
+from nanwatch.store import Store
+
+
+def nan_line(i: int, iters: int = 100000) -> str:
+    return (
+        f"2026/11/30 10:00:00 - mmengine - INFO - Epoch(train)  [1][{i}/{iters}]  "
+        f"lr: 1.0000e-04  eta: 0:01:00  time: 0.5000  data_time: 0.0100  memory: 100  loss: nan\n"
+    )
+
+
+def ok_line(i: int, iters: int = 100000) -> str:
+    return nan_line(i, iters).replace("loss: nan", "loss: 0.5000")
+
+
+def nan_iters(db: Path) -> list[tuple[str, int]]:
+    conn = sqlite3.connect(db)
+    try:
+        rows = conn.execute(
+            "SELECT s.path, e.iter FROM events e JOIN sources s ON s.id = e.source_id "
+            "WHERE e.kind = 'nan' ORDER BY e.id"
+        ).fetchall()
+    finally:
+        conn.close()
+    return [(os.path.basename(p), i) for p, i in rows]
+
+
+class Live:
+    """A live pipeline driven step by step (no threads)."""
+
+    def __init__(self, db: Path, paths: list[str]) -> None:
+        self.db = db
+        self.paths = paths
+        self.store = Store.open(db)
+        self.pipe = Pipeline(Config(), self.store, paths, live=True)
+
+    def step(self) -> None:
+        self.pipe.step()
+
+    def restart(self) -> None:
+        self.close()
+        self.store = Store.open(self.db)
+        self.pipe = Pipeline(Config(), self.store, self.paths, live=True)
+
+    def close(self) -> None:
+        self.pipe.tracker.close()
+        self.store.close()
+
+
+def test_partial_line_waits_for_its_newline(tmp_path: Path, db: Path) -> None:
+    log = tmp_path / "logs" / "rank0.log"
+    log.parent.mkdir()
+    line = nan_line(1)
+    log.write_text(line[:40])
+    live = Live(db, [str(log.parent)])
+    try:
+        live.step()
+        assert nan_iters(db) == []
+        with log.open("a") as f:
+            f.write(line[40:])
+        live.step()
+        live.step()
+        assert nan_iters(db) == [("rank0.log", 1)]
+    finally:
+        live.close()
+
+
+def test_restart_resumes_at_committed_offset(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text("".join(nan_line(i) for i in range(1, 6)))
+    live = Live(db, [str(d)])
+    live.step()
+    live.restart()
+    with log.open("a") as f:
+        f.write("".join(nan_line(i) for i in range(6, 9)))
+    live.step()
+    live.restart()
+    live.step()
+    live.close()
+    assert [i for _, i in nan_iters(db)] == list(range(1, 9))
+
+
+def test_truncation_starts_a_new_generation(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text("".join(nan_line(i) for i in range(1, 4)))
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        # truncated and rewritten with fewer, different bytes
+        log.write_text(nan_line(7))
+        live.step()
+        assert [i for _, i in nan_iters(db)] == [1, 2, 3, 7]
+    finally:
+        live.close()
+
+
+def test_truncated_while_stopped_and_regrown_past_old_offset(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text("".join(nan_line(i) for i in range(1, 3)))
+    live = Live(db, [str(d)])
+    live.step()
+    live.close()
+    # while stopped: truncated, then a new run writes more than before
+    with log.open("r+") as f:
+        f.truncate(0)
+    log.write_text("".join(nan_line(i) for i in range(50, 55)))
+    live = Live(db, [str(d)])
+    live.step()
+    live.close()
+    assert [i for _, i in nan_iters(db)] == [1, 2, 50, 51, 52, 53, 54]
+
+
+def test_rename_and_create_rotation(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text(nan_line(1))
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        with log.open("a") as f:
+            f.write(nan_line(2))  # written before rotation, not yet read
+        os.rename(log, d / "rank0.log.1")
+        log.write_text(nan_line(3))
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
+    finally:
+        live.close()
+
+
+def test_copytruncate_rotation_reads_only_the_copy_tail(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text(nan_line(1) + nan_line(2))
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        with log.open("a") as f:
+            f.write(nan_line(3))  # not yet read when logrotate copies
+        shutil.copyfile(log, d / "rank0.log.1")
+        with log.open("r+") as f:
+            f.truncate(0)
+        with log.open("a") as f:
+            f.write(nan_line(4))
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3, 4]
+    finally:
+        live.close()
+
+
+def test_side_by_side_identical_files_are_both_read(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    text = "".join(nan_line(i) for i in range(1, 4))
+    (d / "rank0.log").write_text(text)
+    (d / "train.log").write_text(text)  # e.g. stdout and mmengine's own file
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        got = nan_iters(db)
+        assert sorted(got) == sorted(
+            [(n, i) for n in ("rank0.log", "train.log") for i in (1, 2, 3)]
+        )
+    finally:
+        live.close()
+
+
+def test_new_rank_file_with_same_banner_is_read_at_once(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    banner = "".join(ok_line(i) for i in range(1, 20))
+    (d / "rank0.log").write_text(banner)
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        (d / "rank1.log").write_text(banner + nan_line(20))
+        live.step()
+        assert nan_iters(db) == [("rank1.log", 20)]
+    finally:
+        live.close()
+
+
+def test_binaries_are_skipped_by_content(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "work_dir"
+    d.mkdir()
+    (d / "rank0.log").write_text(nan_line(1))
+    with gzip.open(d / "rank0.log.2.gz", "wt") as f:
+        f.write(nan_line(99))
+    with zipfile.ZipFile(d / "epoch_1.pth", "w") as z:
+        z.writestr("archive/data.pkl", "loss: nan " * 100)
+    (d / "blob.bin").write_bytes(bytes(range(256)) * 64)
+    sqlite3.connect(d / "other.db").execute("CREATE TABLE t(x)").connection.close()
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        assert nan_iters(db) == [("rank0.log", 1)]
+        assert live.pipe.tracker.counters["files_binary"] == 4
+    finally:
+        live.close()
+
+
+def test_long_line_is_cut_with_bounded_memory(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    with log.open("w") as f:
+        f.write(nan_line(1))
+        f.write("x" * (6 << 20))  # 6 MiB without a newline
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        with log.open("a") as f:
+            f.write("y" * 1000 + "\n" + nan_line(2))
+        live.step()
+        assert [i for _, i in nan_iters(db)] == [1, 2]
+        assert live.pipe.tracker.counters["lines_cut"] == 1
+    finally:
+        live.close()
+
+
+def test_new_files_and_folders_appear_later(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "work_dirs"
+    d.mkdir()
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        (d / "20261130_101500").mkdir()
+        (d / "20261130_101500" / "rank3.log").write_text(nan_line(5))
+        live.step()
+        assert nan_iters(db) == [("rank3.log", 5)]
+    finally:
+        live.close()
+
+
+def test_undecodable_bytes_and_crlf(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    data = (
+        b"\xff\xfe garbage \x00 bytes\n"
+        + "训练开始 ".encode("gbk")
+        + b"\n"
+        + nan_line(1).encode().replace(b"\n", b"\r\n")
+        + b"\x1b[31m"
+        + nan_line(2).encode()
+    )
+    (d / "rank0.log").write_bytes(data)
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        assert [i for _, i in nan_iters(db)] == [1, 2]
+    finally:
+        live.close()
+
+
+def test_rank_from_path() -> None:
+    assert rank_from_path("/x/rank6.log") == 6
+    assert rank_from_path("/x/train_rank6.log") == 6
+    assert rank_from_path("/x/device6_rank6/stdout.log") == 6
+    assert rank_from_path("/x/Nov30_15-48-51-rank1-de3ab572/actv_0-0.csv") == 1
+    assert rank_from_path("/x/frank7.log") is None
+    assert rank_from_path("/x/train.log") is None
+
+
+def test_sniff() -> None:
+    assert sniff_bytes(b"") == "unknown"
+    assert sniff_bytes(b"hello\n") == "text"
+    assert sniff_bytes(b"\x1f\x8b\x08\x00") == "binary"
+    assert sniff_bytes(b"PK\x03\x04rest") == "binary"
+    assert sniff_bytes(b"a\x00b\x00c\x00d\x00") == "binary"
+    assert sniff_bytes(b"line with one \x00 nul and a lot of text " * 4) == "text"
+
+
+def test_rotated_names() -> None:
+    assert rotated_name_of("/l/rank0.log.1", "/l/rank0.log")
+    assert rotated_name_of("/l/rank0.log-20261130", "/l/rank0.log")
+    assert rotated_name_of("/l/rank0.log.2.gz", "/l/rank0.log")
+    assert not rotated_name_of("/l/rank1.log", "/l/rank0.log")
+    assert not rotated_name_of("/l/rank0.log.bak", "/l/rank0.log")
