@@ -16,7 +16,7 @@ from ._common import handle_errors, setup_logging
 @click.option(
     "--speed",
     type=float,
-    default=25.0,
+    default=4.0,
     show_default=True,
     help="How much faster than real time the run is replayed.",
 )
