@@ -16,6 +16,7 @@ from typing import Any
 
 from ..events import now_utc
 from ..store.db import Store
+from .origin import origin_for
 
 _NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 _PATH = re.compile(r"(?:/[\w.\-]+)+")
@@ -40,9 +41,12 @@ def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
 
 @dataclass
 class Change:
+    """A material change of an incident, for the outbox."""
+
     incident_id: int
     action: str  # open | update | resolve
     version: int
+    news: list[str] = field(default_factory=list)  # what changed, for follow-ups
 
 
 @dataclass
@@ -52,17 +56,6 @@ class _Acc:
     incident: dict[str, Any]
     new_events: list[dict[str, Any]] = field(default_factory=list)
     created: bool = False
-
-
-def _sort_key(ev: Mapping[str, Any]) -> tuple[Any, ...]:
-    step = ev.get("step")
-    return (
-        0 if step is not None else 1,
-        step if step is not None else 0,
-        ev.get("time") or ev.get("fields", {}).get("stream_time") or "~",
-        ev.get("rank") if ev.get("rank") is not None else 1 << 30,
-        ev["id"],
-    )
 
 
 class Correlator:
@@ -91,6 +84,8 @@ class Correlator:
     def _apply(self, events: Iterable[dict[str, Any]]) -> list[Change]:
         accs: dict[int, _Acc] = {}
         for ev in events:
+            if ev["fields"].get("incident") is False:
+                continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
             key = fingerprint(ev["kind"], ev["message"], ev["fields"])
             inc = self._open_incident(ev["run_id"], key, accs)
             if inc is None:
@@ -161,15 +156,15 @@ class Correlator:
         times = [t for t in (inc["first_time"], inc["last_time"]) if t]
         times += [e["time"] for e in acc.new_events if e.get("time")]
         count = inc["event_count"] + len(acc.new_events)
-        origin_ev = self._origin_event(iid)
-        origin = origin_of(origin_ev) if origin_ev else {}
+        origin_ev, origin = origin_for(inc["kind"])(self.store.conn, iid)
         title = title_for(inc["kind"], origin_ev, inc.get("_run_name") or self._run_name(inc))
-        material = (
-            acc.created
-            or sorted(ranks) != sorted(inc["ranks"])
-            or origin != inc["origin"]
-            or title != inc["title"]
-        )
+        news = []
+        added = sorted(ranks - set(inc["ranks"]))
+        if added and not acc.created:
+            news.append("ranks " + ",".join(str(r) for r in added) + " affected")
+        if inc["origin"] and _where(origin) != _where(inc["origin"]):
+            news.append("origin moved to " + _where(origin))
+        material = acc.created or bool(news) or title != inc["title"]
         version = inc["version"] + 1 if material else inc["version"]
         self.store.execute(
             "UPDATE incidents SET ranks=?, first_time=?, last_time=?, event_count=?, origin=?, "
@@ -189,19 +184,7 @@ class Correlator:
         )
         if not material:
             return None
-        return Change(iid, "open" if acc.created else "update", version)
-
-    def _origin_event(self, incident_id: int) -> dict[str, Any] | None:
-        rows = self.store.conn.execute(
-            "SELECT id, kind, time, ingested_at, run_id, source_id, offset, key, line, rank, "
-            "local_rank, node, epoch, iter, step, stage, device, message, fields, incident_id "
-            "FROM events WHERE incident_id=? ORDER BY step IS NULL, step, id LIMIT 200",
-            (incident_id,),
-        ).fetchall()
-        if not rows:
-            return None
-        evs = [Store._event(r) for r in rows]
-        return min(evs, key=_sort_key)
+        return Change(iid, "open" if acc.created else "update", version, news)
 
     def _run_name(self, inc: Mapping[str, Any]) -> str | None:
         row = self.store.conn.execute(
@@ -210,33 +193,16 @@ class Correlator:
         return row[0] if row else None
 
 
+def _where(origin: Mapping[str, Any]) -> str:
+    parts = [f"{k} {origin[k]}" for k in ("rank", "step", "tensor") if origin.get(k) is not None]
+    return ", ".join(parts)
+
+
 def _incident(store: Store, row: Any) -> dict[str, Any]:
     d = store._row(row, "incidents")
     for k in ("ranks", "origin", "hints", "detail"):
         d[k] = json.loads(d[k] or ("[]" if k in ("ranks", "hints") else "{}"))
     return d
-
-
-def origin_of(ev: Mapping[str, Any]) -> dict[str, Any]:
-    """The origin block of an incident rooted at one event (ARCHITECTURE.md vocabulary)."""
-    f = ev.get("fields", {})
-    origin: dict[str, Any] = {
-        "rank": ev.get("rank"),
-        "step": ev.get("step"),
-        "epoch": ev.get("epoch"),
-        "iter": ev.get("iter"),
-        "stage": ev.get("stage"),
-        "phase": f.get("phase"),
-        "tag": f.get("tag"),
-        "tensor": f.get("tensor"),
-        "shape": f.get("shape"),
-        "dtype": f.get("dtype"),
-        "module": f.get("module"),
-        "first_param": f.get("first_param"),
-        "time": ev.get("time") or f.get("stream_time"),
-        "event_id": ev.get("id"),
-    }
-    return origin
 
 
 _KIND_TITLE = {

@@ -69,7 +69,7 @@ class Outbox:
                         ch.incident_id,
                         sink.name,
                         ch.action,
-                        json.dumps({"version": ch.version}),
+                        json.dumps({"version": ch.version, "news": ch.news}),
                         f"{sink.name}:{ch.incident_id}:{ch.action}:{ch.version}",
                         now_utc(),
                         now + delay,
