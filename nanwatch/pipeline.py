@@ -18,6 +18,8 @@ from typing import Any
 
 from .config import Config
 from .correlate import Change, Correlator
+from .correlate.chains import Timeouts
+from .correlate.knowledge import Knowledge
 from .detect import Detector, RuleSet, load_rules
 from .errors import StoreError
 from .events import Event, Metric, now_utc
@@ -79,7 +81,14 @@ class Pipeline:
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
         self.detector = Detector(self.rules)
         self.tracker = Tracker(self.roots, self._assign_run, known=self._known(), live=live)
-        self.correlator = Correlator(store)
+        self.correlator = Correlator(
+            store,
+            timeouts=Timeouts(config.knowledge.hccl_exec_timeout, config.knowledge.nccl_timeout),
+            knowledge=Knowledge.load(
+                config.knowledge.dirs, cann_version=config.knowledge.cann_version
+            ),
+            resolve_after=config.alerts.resolve_after if live else None,
+        )
         self.sinks = list(sinks)
         self.outbox = Outbox(store, self.sinks) if self.sinks else None
         self.on_changes = on_changes
@@ -189,7 +198,7 @@ class Pipeline:
             self._retire(rec)
         self._commit(batch)
         self._persist_retired()
-        changes = self.correlator.process()
+        changes = self.correlator.process(live=self.live)
         if changes:
             if self.outbox is not None:
                 self.outbox.enqueue(changes, immediate=not self.live)

@@ -137,8 +137,13 @@ def list_incidents(
     open_only: bool = False,
     run: str | None = None,
     kind: str | None = None,
+    include_merged: bool = False,
 ) -> list[dict[str, Any]]:
-    where, params = [], []
+    """Incidents oldest first; those absorbed into another one (``merged``) only on request."""
+    where: list[str] = []
+    params: list[Any] = []
+    if not include_merged:
+        where.append("i.status != 'merged'")
     if open_only:
         where.append("i.status = 'open'")
     if run:

@@ -132,6 +132,12 @@ class TrainingRun:
     nan_at: tuple[int, int] | None = (1, 10)  # (epoch, iter)
     stop_after_nan: int = 6  # logged iterations after the NaN before the run is stopped
     seed: int = 0
+    val_after_epoch: int | None = None  # run a validation loop after this epoch
+    val_iters: int = 50
+    val_interval: int = 10
+    oom_rank: int | None = None  # this rank runs out of memory in validation ...
+    oom_val_iter: int = 40  # ... at this validation iteration
+    hccl_timeout: float = 1800.0  # the others' EI0002 arrives this long after the OOM
 
     @property
     def launch_dir(self) -> Path:
@@ -148,6 +154,10 @@ class TrainingRun:
                 yield Line(0.0, r, text)
         after_nan = None
         for epoch in range(1, self.epochs + 1):
+            if self.val_after_epoch is not None and epoch == self.val_after_epoch + 1:
+                yield from self._validation(epoch - 1, t, rng)
+                if self.oom_rank is not None:
+                    return
             for it in range(1, self.iters + 1):
                 t += self.step_time * (1 + rng.uniform(-0.03, 0.03))
                 if it % self.log_interval:
@@ -185,6 +195,43 @@ class TrainingRun:
                     after_nan = (after_nan or 0) + 1
                     if after_nan > self.stop_after_nan:
                         return
+
+    def _validation(self, epoch: int, t: float, rng: random.Random) -> Iterator[Line]:
+        """Validation after ``epoch``; the OOM rank dies in it and the others time out."""
+        for it in range(self.val_interval, self.val_iters + 1, self.val_interval):
+            t += 0.24 * self.val_interval
+            now = self.start + _dt.timedelta(seconds=t + 5)
+            for r in range(self.ranks):
+                if self.oom_rank is not None and it >= self.oom_val_iter:
+                    continue
+                yield Line(
+                    t,
+                    r,
+                    mmengine_iter_line(
+                        now,
+                        "val",
+                        epoch,
+                        it,
+                        self.val_iters,
+                        step_time=0.2409,
+                        data_time=0.0010,
+                        memory=984,
+                        lr=None,
+                        eta="0:00:12",
+                    ),
+                )
+            if self.oom_rank is not None and it >= self.oom_val_iter:
+                for text in npu_oom_traceback(self.oom_rank):
+                    yield Line(t, self.oom_rank, text)
+                for r in range(self.ranks):
+                    if r == self.oom_rank:
+                        continue
+                    when = self.start + _dt.timedelta(
+                        seconds=t + 5 + self.hccl_timeout + rng.uniform(0.5, 3.0)
+                    )
+                    for text in hccl_ei0002(when, r, self.oom_rank, pid=12000 + r):
+                        yield Line(t + self.hccl_timeout, r, text)
+                return
 
     def write(self) -> list[Path]:
         """Write the whole run at once (for scan tests); returns the rank files."""
@@ -224,3 +271,97 @@ class TrainingRun:
                 h.flush()
                 os.fsync(h.fileno())
                 h.close()
+
+
+def npu_oom_traceback(rank: int) -> list[str]:
+    """torch_npu's OOM in an mmengine validation step (tracebacks carry no timestamp)."""
+    site = "/usr/local/python3.9.18/lib/python3.9/site-packages"
+    return [
+        "Traceback (most recent call last):",
+        '  File "tools/train.py", line 121, in <module>',
+        "    main()",
+        '  File "tools/train.py", line 117, in main',
+        "    runner.train()",
+        f'  File "{site}/mmengine/runner/runner.py", line 1777, in train',
+        "    model = self.train_loop.run()  # type: ignore",
+        f'  File "{site}/mmengine/runner/loops.py", line 102, in run',
+        "    self.runner.val_loop.run()",
+        f'  File "{site}/mmengine/runner/loops.py", line 373, in run',
+        "    self.run_iter(idx, data_batch)",
+        f'  File "{site}/mmengine/runner/loops.py", line 393, in run_iter',
+        "    outputs = self.runner.model.val_step(data_batch)",
+        f'  File "{site}/mmengine/model/wrappers/distributed.py", line 141, in val_step',
+        "    return self.module.val_step(data)",
+        f'  File "{site}/mmdet/models/detectors/dino.py", line 212, in forward_transformer',
+        "    memory = self.encoder(**encoder_inputs_dict)",
+        f"RuntimeError: NPU out of memory. Tried to allocate 1.17 GiB (NPU {rank}; 60.97 GiB "
+        "total capacity; 57.32 GiB already allocated; 57.32 GiB current active; 612.34 MiB free; "
+        "59.61 GiB reserved in total by PyTorch) If reserved memory is >> allocated memory try "
+        "setting max_split_size_mb to avoid fragmentation.",
+    ]
+
+
+def hccl_ei0002(when: _dt.datetime, rank: int, remote: int, *, pid: int) -> list[str]:
+    """What torch_npu prints on a rank whose collective waited for a dead rank."""
+    day = when.strftime("%Y-%m-%d-%H:%M:%S")
+    frac = f"{when.microsecond // 1000:03d}.{when.microsecond % 1000:03d}"
+    return [
+        "Traceback (most recent call last):",
+        '  File "tools/train.py", line 121, in <module>',
+        "    main()",
+        "RuntimeError: InnerRun:torch_npu/csrc/framework/OpParamMaker.cpp:208 NPU function "
+        "error: c10_npu::acl::AclrtSynchronizeStreamWithTimeout(stream), error code is 507048",
+        f"[ERROR] {day} (PID:{pid}, Device:{rank}, RankID:{rank}) ERR00100 PTA call acl api failed",
+        "[Error]: The execution of the internal task times out. ",
+        "        Rectify the fault based on the error information in the ascend log.",
+        f"EI0002: [PID: {pid}] {day}.{frac} The wait execution of the Notify register times out. "
+        f"Reason: The Notify register has not received the Notify record from remote rank: "
+        f"[{remote}]. base information: [streamID:[14], taskID[4], tag[AllReduce_group_name_0], "
+        "AlgType(level 0-1-2):[fullmesh-ring-NHR]]. task information: []",
+        "        Possible Cause: 1. An exception occurs during the execution on some NPUs in the "
+        "cluster. As a result, collective communication operation failed.2. The execution speed "
+        "on some NPU in the cluster is too slow to complete a communication operation within "
+        "the timeout interval. (default 1800s, You can set the interval by using "
+        "HCCL_EXEC_TIMEOUT.)",
+    ]
+
+
+def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingRun]:
+    """The seed case in two launches of one experiment (one work_dir).
+
+    Run A: rank 3 runs out of NPU memory in validation after epoch 2; the seven other ranks
+    hit HCCL EI0002 about 1800 s later, naming remote rank 3.
+    Run B: validation off, every step ~3.3x slower (grid_sample on the CPU), and the loss turns
+    NaN on rank 6 first.
+    """
+    work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
+    run_a = TrainingRun(
+        work_dir,
+        timestamp="20261130_101500",
+        ranks=ranks,
+        epochs=3,
+        iters=200,
+        log_interval=10,
+        step_time=0.86,
+        nan_rank=None,
+        nan_at=None,
+        val_after_epoch=2,
+        oom_rank=3,
+        oom_val_iter=40,
+        seed=1,
+    )
+    run_b = TrainingRun(
+        work_dir,
+        timestamp="20261201_090000",
+        ranks=ranks,
+        epochs=4,
+        iters=200,
+        log_interval=10,
+        step_time=2.84,
+        nan_rank=6,
+        nan_at=(3, 130),
+        stop_after_nan=5,
+        start=_dt.datetime(2026, 12, 1, 9, 0, 0),
+        seed=2,
+    )
+    return run_a, run_b

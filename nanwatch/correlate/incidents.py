@@ -1,29 +1,40 @@
 """Events -> incidents with one root cause.
 
-The correlator reads the events committed since its last pass, attaches each to an incident of
-its run (grouped by a fingerprint of kind and normalised message), and recomputes what changed:
-ranks, counts, the origin (the earliest occurrence), the title. Every material change bumps the
-incident's ``version``; notification sinks are told through the outbox.
+The correlator reads the events committed since its last pass and attaches each to an incident
+of its run. Events are grouped by a fingerprint (kind, plus backend or normalised message for
+open-ended kinds); a root cause absorbs its symptoms (see ``chains.py``): collective timeouts
+on the other ranks, the launcher's report that the rank died. Every material change bumps the
+incident's ``version`` and is returned as a :class:`Change` for the outbox.
+
+Lifecycle: ``open`` -> ``resolved`` when the run recovers (finite losses again after a NaN) or,
+under ``watch``, after a quiet period; a recurrence later opens a new incident. Incidents
+absorbed into another one become ``merged``. ``scan`` never resolves an incident because its
+input ended.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import now_utc
+from ..events import format_utc, now_utc
 from ..store.db import Store
-from .origin import origin_for
+from . import slowdown
+from .chains import ROOT_KINDS, SYMPTOM_KINDS, Root, Timeouts, absorbs, links, roots_of_run
+from .origin import origin_for, origin_of
+from .story import describe
 
 _NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 _PATH = re.compile(r"(?:/[\w.\-]+)+")
 _WS = re.compile(r"\s+")
 
 # Kinds whose events of one run are always one incident, whatever their text.
-_ONE_PER_RUN = {"nan", "oom", "process_failure", "slowdown", "data_issue"}
+_ONE_PER_RUN = {"nan", "oom", "process_failure", "slowdown", "data_issue", "overflow"}
+RECOVERY_ITERATIONS = 20  # finite logged losses after the last NaN that mean "recovered"
 
 
 def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
@@ -56,6 +67,8 @@ class _Acc:
     incident: dict[str, Any]
     new_events: list[dict[str, Any]] = field(default_factory=list)
     created: bool = False
+    news: list[str] = field(default_factory=list)
+    recount: bool = False
 
 
 class Correlator:
@@ -63,10 +76,23 @@ class Correlator:
 
     META_KEY = "correlated_upto"
 
-    def __init__(self, store: Store) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        timeouts: Timeouts | None = None,
+        knowledge: Any = None,
+        resolve_after: float | None = None,
+    ) -> None:
         self.store = store
+        self.timeouts = timeouts or Timeouts()
+        self.knowledge = knowledge
+        self.resolve_after = resolve_after
+        self._pending_changes: list[Change] = []
 
-    def process(self) -> list[Change]:
+    def process(self, *, live: bool = False, now: float | None = None) -> list[Change]:
+        """Correlate new events; under ``watch`` (``live``) also resolve quiet incidents."""
+        self._slowdowns()
         last = int(self.store.meta_get(self.META_KEY, "0") or 0)
         changes: list[Change] = []
         while True:
@@ -77,28 +103,158 @@ class Correlator:
                 changes.extend(self._apply(batch))
                 last = batch[-1]["id"]
                 self.store.meta_set(self.META_KEY, str(last))
+        with self.store.transaction():
+            changes.extend(self._recoveries())
+            if live and self.resolve_after:
+                changes.extend(self._resolve_quiet(time.time() if now is None else now))
         return changes
+
+    # -- derived events --------------------------------------------------------------------------
+
+    def _slowdowns(self) -> None:
+        """Slowdown events for runs with new step times (and the runs compared with them)."""
+        upto = int(self.store.meta_get("slowdown_metrics_upto", "0") or 0)
+        row = self.store.conn.execute("SELECT max(id) FROM metrics").fetchone()
+        newest = int(row[0] or 0)
+        if newest <= upto:
+            return
+        runs = {
+            int(r[0])
+            for r in self.store.conn.execute(
+                "SELECT DISTINCT run_id FROM metrics WHERE id > ? AND run_id IS NOT NULL", (upto,)
+            )
+        }
+        for run_id in list(runs):
+            runs.update(slowdown.later_runs(self.store.conn, run_id))
+        with self.store.transaction():
+            for run_id in sorted(runs):
+                finding = slowdown.find(self.store.conn, run_id)
+                if finding is None:
+                    continue
+                exists = self.store.conn.execute(
+                    "SELECT 1 FROM events WHERE run_id = ? AND kind = 'slowdown' LIMIT 1",
+                    (run_id,),
+                ).fetchone()
+                if exists:
+                    continue  # one finding per run; its incident tracks what follows
+                self.store.insert_events(
+                    run_id, finding.at.source_id, [slowdown.to_event(finding)], now_utc()
+                )
+            self.store.meta_set("slowdown_metrics_upto", str(newest))
 
     # -- one batch -------------------------------------------------------------------------------
 
     def _apply(self, events: Iterable[dict[str, Any]]) -> list[Change]:
         accs: dict[int, _Acc] = {}
-        for ev in events:
+        self._pending_changes = []
+
+        # roots first, so their symptoms in the same batch find them
+        def rank_of_kind(e: Mapping[str, Any]) -> tuple[int, int]:
+            k = e["kind"]
+            return (0 if k in ROOT_KINDS else 2 if k in SYMPTOM_KINDS else 1, e["id"])
+
+        touched_runs: set[Any] = set()
+        for ev in sorted(events, key=rank_of_kind):
             if ev["fields"].get("incident") is False:
                 continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
-            key = fingerprint(ev["kind"], ev["message"], ev["fields"])
-            inc = self._open_incident(ev["run_id"], key, accs)
+            inc = None
+            if ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure":
+                inc = self._root_for(ev, accs)
             if inc is None:
-                inc = self._create(ev, key)
-                accs[inc["id"]] = _Acc(inc, created=True)
+                key = fingerprint(ev["kind"], ev["message"], ev["fields"])
+                inc = self._open_incident(ev["run_id"], key, accs)
+                if inc is None:
+                    inc = self._create(ev, key)
+                    accs[inc["id"]] = _Acc(inc, created=True)
             acc = accs.setdefault(inc["id"], _Acc(inc))
             acc.new_events.append(ev)
-        changes = []
+            if ev["kind"] in ROOT_KINDS or ev["kind"] in SYMPTOM_KINDS:
+                touched_runs.add(ev["run_id"])
+        for acc in list(accs.values()):
+            self._attach(acc)
+        for run_id in touched_runs:
+            self._absorb_orphans(run_id, accs)
+        changes = list(self._pending_changes)
         for acc in accs.values():
             ch = self._update(acc)
             if ch is not None:
                 changes.append(ch)
         return changes
+
+    def _root_for(self, ev: Mapping[str, Any], accs: Mapping[int, _Acc]) -> dict[str, Any] | None:
+        """The open root-cause incident this symptom follows from, if any."""
+        for root in roots_of_run(self.store.conn, ev["run_id"]):
+            if root.kind == ev["kind"]:
+                continue
+            if ev["kind"] == "process_failure":
+                if root.kind != "oom" or not absorbs(root, _as_root(ev)):
+                    continue
+            elif not links(root, ev, self.timeouts):
+                continue
+            acc = accs.get(root.incident_id)
+            return acc.incident if acc else self._load(root.incident_id)
+        return None
+
+    def _absorb_orphans(self, run_id: Any, accs: dict[int, _Acc]) -> None:
+        """A root that arrived after its symptoms takes them over."""
+        roots = roots_of_run(self.store.conn, run_id)
+        if not roots:
+            return
+        rows = self.store.conn.execute(
+            "SELECT id, kind FROM incidents WHERE run_id IS ? AND status = 'open' "
+            "AND kind IN ('comm_timeout', 'comm_error', 'process_failure') ORDER BY id",
+            (run_id,),
+        ).fetchall()
+        for iid, kind in rows:
+            evs = [
+                Store._event(r)
+                for r in self.store.conn.execute(
+                    "SELECT id, kind, time, ingested_at, run_id, source_id, offset, key, line, "
+                    "rank, local_rank, node, epoch, iter, step, stage, device, message, fields, "
+                    "incident_id FROM events WHERE incident_id = ? ORDER BY id LIMIT 200",
+                    (iid,),
+                )
+            ]
+            if not evs:
+                continue
+            for root in roots:
+                if root.incident_id == iid:
+                    continue
+                if kind == "process_failure":
+                    ok = root.kind == "oom" and absorbs(root, _as_root(evs[0]))
+                else:
+                    ok = any(links(root, e, self.timeouts) for e in evs)
+                if ok:
+                    self._merge(iid, root.incident_id, accs)
+                    break
+
+    def _merge(self, src: int, dst: int, accs: dict[int, _Acc]) -> None:
+        self.store.execute("UPDATE events SET incident_id = ? WHERE incident_id = ?", (dst, src))
+        src_acc = accs.pop(src, None)
+        was_new = src_acc is not None and src_acc.created
+        if was_new:
+            self.store.execute("DELETE FROM incidents WHERE id = ?", (src,))
+        else:
+            row = self.store.conn.execute(
+                "SELECT version, detail FROM incidents WHERE id = ?", (src,)
+            ).fetchone()
+            detail = json.loads(row[1] or "{}") if row else {}
+            detail["merged_into"] = dst
+            self.store.execute(
+                "UPDATE incidents SET status = 'merged', detail = ?, version = version + 1, "
+                "updated_at = ?, resolved_at = ? WHERE id = ?",
+                (json.dumps(detail), now_utc(), now_utc(), src),
+            )
+            self._pending_changes.append(
+                Change(src, "update", (row[0] if row else 0) + 1, [f"merged into incident #{dst}"])
+            )
+        acc = accs.get(dst)
+        if acc is None:
+            inc = self._load(dst)
+            if inc is None:
+                return
+            acc = accs[dst] = _Acc(inc)
+        acc.recount = True
 
     def _open_incident(
         self, run_id: int, key: str, accs: Mapping[int, _Acc]
@@ -114,15 +270,19 @@ class Correlator:
         ).fetchone()
         return _incident(self.store, row) if row else None
 
+    def _load(self, incident_id: int) -> dict[str, Any] | None:
+        row = self.store.conn.execute(
+            "SELECT * FROM incidents WHERE id = ?", (incident_id,)
+        ).fetchone()
+        return _incident(self.store, row) if row else None
+
     def _create(self, ev: Mapping[str, Any], key: str) -> dict[str, Any]:
         now = now_utc()
-        run = self.store.conn.execute(
-            "SELECT name, experiment FROM runs WHERE id IS ?", (ev["run_id"],)
-        ).fetchone()
+        origin = origin_of(ev)
         cur = self.store.execute(
             "INSERT INTO incidents(run_id, kind, key, title, status, ranks, first_time, "
             "last_time, event_count, origin, hints, detail, root_event_id, version, created_at, "
-            "updated_at) VALUES (?,?,?,?,'open','[]',?,?,0,'{}','[]','{}',?,0,?,?)",
+            "updated_at) VALUES (?,?,?,?,'open','[]',?,?,0,?,'[]','{}',?,0,?,?)",
             (
                 ev["run_id"],
                 ev["kind"],
@@ -130,53 +290,81 @@ class Correlator:
                 ev["message"][:200],
                 ev["time"],
                 ev["time"],
+                json.dumps(origin),
                 ev["id"],
                 now,
                 now,
             ),
         )
-        row = self.store.conn.execute(
-            "SELECT * FROM incidents WHERE id=?", (cur.lastrowid,)
-        ).fetchone()
-        inc = _incident(self.store, row)
-        inc["_run_name"] = run[0] if run else None
+        inc = self._load(int(cur.lastrowid or 0))
+        assert inc is not None
+        inc["origin"] = {}  # so the first update reports the origin as news-free
         return inc
+
+    def _attach(self, acc: _Acc) -> None:
+        iid = acc.incident["id"]
+        self.store.conn.executemany(
+            "UPDATE events SET incident_id=? WHERE id=?", [(iid, e["id"]) for e in acc.new_events]
+        )
 
     def _update(self, acc: _Acc) -> Change | None:
         inc = acc.incident
         iid = inc["id"]
-        ids = [e["id"] for e in acc.new_events]
-        self.store.conn.executemany(
-            "UPDATE events SET incident_id=? WHERE id=?", [(iid, i) for i in ids]
-        )
-        ranks = set(inc["ranks"])
-        for e in acc.new_events:
-            if e.get("rank") is not None:
-                ranks.add(e["rank"])
-        times = [t for t in (inc["first_time"], inc["last_time"]) if t]
-        times += [e["time"] for e in acc.new_events if e.get("time")]
-        count = inc["event_count"] + len(acc.new_events)
+        if acc.recount:
+            row = self.store.conn.execute(
+                "SELECT count(*), min(time), max(time) FROM events WHERE incident_id = ?", (iid,)
+            ).fetchone()
+            count, first, last = row
+            ranks = {
+                r
+                for (r,) in self.store.conn.execute(
+                    "SELECT DISTINCT rank FROM events WHERE incident_id = ? AND rank IS NOT NULL",
+                    (iid,),
+                )
+            }
+        else:
+            ranks = set(inc["ranks"])
+            ranks.update(e["rank"] for e in acc.new_events if e.get("rank") is not None)
+            times = [t for t in (inc["first_time"], inc["last_time"]) if t]
+            times += [e["time"] for e in acc.new_events if e.get("time")]
+            first, last = (min(times), max(times)) if times else (None, None)
+            count = inc["event_count"] + len(acc.new_events)
         origin_ev, origin = origin_for(inc["kind"])(self.store.conn, iid)
-        title = title_for(inc["kind"], origin_ev, inc.get("_run_name") or self._run_name(inc))
-        news = []
+        run = self._run(inc["run_id"])
+        story = describe(self.store.conn, iid, inc["kind"], origin, run)
+        detail = {**inc.get("detail", {}), **story.detail}
+        hints = (
+            self.knowledge.hints_for(self.store.conn, iid, inc["kind"], origin, detail, run)
+            if self.knowledge is not None
+            else inc.get("hints", [])
+        )
+        news = list(acc.news)
         added = sorted(ranks - set(inc["ranks"]))
         if added and not acc.created:
             news.append("ranks " + ",".join(str(r) for r in added) + " affected")
         if inc["origin"] and _where(origin) != _where(inc["origin"]):
             news.append("origin moved to " + _where(origin))
-        material = acc.created or bool(news) or title != inc["title"]
+        if (
+            detail.get("root_cause")
+            and detail.get("root_cause") != inc.get("detail", {}).get("root_cause")
+            and not acc.created
+        ):
+            news.append("root cause: " + str(detail["root_cause"]))
+        material = acc.created or bool(news) or story.title != inc["title"]
         version = inc["version"] + 1 if material else inc["version"]
         self.store.execute(
             "UPDATE incidents SET ranks=?, first_time=?, last_time=?, event_count=?, origin=?, "
-            "title=?, root_event_id=?, version=?, updated_at=? WHERE id=?",
+            "title=?, root_event_id=?, detail=?, hints=?, version=?, updated_at=? WHERE id=?",
             (
                 json.dumps(sorted(ranks)),
-                min(times) if times else None,
-                max(times) if times else None,
+                first,
+                last,
                 count,
                 json.dumps(origin),
-                title,
+                story.title,
                 origin_ev["id"] if origin_ev else inc["root_event_id"],
+                json.dumps(detail),
+                json.dumps(hints),
                 version,
                 now_utc(),
                 iid,
@@ -186,11 +374,80 @@ class Correlator:
             return None
         return Change(iid, "open" if acc.created else "update", version, news)
 
-    def _run_name(self, inc: Mapping[str, Any]) -> str | None:
+    def _run(self, run_id: Any) -> dict[str, Any]:
         row = self.store.conn.execute(
-            "SELECT name FROM runs WHERE id IS ?", (inc["run_id"],)
+            "SELECT id, name, experiment, facts, root FROM runs WHERE id IS ?", (run_id,)
         ).fetchone()
-        return row[0] if row else None
+        if not row:
+            return {}
+        return {
+            "id": row[0],
+            "name": row[1],
+            "experiment": row[2],
+            "facts": json.loads(row[3] or "{}"),
+            "root": row[4],
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _recoveries(self) -> list[Change]:
+        """NaN incidents whose run logs finite losses again for a while are resolved."""
+        out: list[Change] = []
+        rows = self.store.conn.execute(
+            "SELECT i.id, i.run_id, i.version, i.detail, "
+            "(SELECT max(step) FROM events e WHERE e.incident_id = i.id) "
+            "FROM incidents i WHERE i.status = 'open' AND i.kind = 'nan'"
+        ).fetchall()
+        for iid, run_id, version, detail_json, last_step in rows:
+            if last_step is None:
+                continue
+            n = self.store.conn.execute(
+                "SELECT count(*) FROM metrics WHERE run_id IS ? AND stage = 'train' "
+                "AND loss IS NOT NULL AND abs(loss) < 1e300 AND step > ?",
+                (run_id, last_step),
+            ).fetchone()[0]
+            if n >= RECOVERY_ITERATIONS:
+                detail = json.loads(detail_json or "{}")
+                detail["resolution"] = (
+                    f"the loss was finite for {n} logged iterations after step {last_step}"
+                )
+                out.append(self._resolve(iid, version, detail))
+        return out
+
+    def _resolve_quiet(self, now: float) -> list[Change]:
+        assert self.resolve_after is not None
+        cutoff = format_utc(now - self.resolve_after)
+        rows = self.store.conn.execute(
+            "SELECT id, version, detail FROM incidents WHERE status = 'open' AND updated_at < ?",
+            (cutoff,),
+        ).fetchall()
+        out = []
+        for iid, version, detail_json in rows:
+            detail = json.loads(detail_json or "{}")
+            detail["resolution"] = (
+                f"no new events for {int(self.resolve_after)} s while nanwatch was watching"
+            )
+            out.append(self._resolve(iid, version, detail))
+        return out
+
+    def _resolve(self, iid: int, version: int, detail: Mapping[str, Any]) -> Change:
+        now = now_utc()
+        self.store.execute(
+            "UPDATE incidents SET status = 'resolved', resolved_at = ?, updated_at = ?, "
+            "version = ?, detail = ? WHERE id = ?",
+            (now, now, version + 1, json.dumps(detail), iid),
+        )
+        return Change(iid, "resolve", version + 1, [str(detail.get("resolution", "resolved"))])
+
+
+def _as_root(ev: Mapping[str, Any]) -> Root:
+    from .chains import event_time
+
+    ranks = {ev["rank"]} if ev.get("rank") is not None else set()
+    for r in (ev.get("fields") or {}).get("failed_ranks") or ():
+        if isinstance(r, int):
+            ranks.add(r)
+    return Root(ev["id"], ev["kind"], ev.get("rank"), frozenset(ranks), event_time(ev))
 
 
 def _where(origin: Mapping[str, Any]) -> str:
@@ -203,37 +460,3 @@ def _incident(store: Store, row: Any) -> dict[str, Any]:
     for k in ("ranks", "origin", "hints", "detail"):
         d[k] = json.loads(d[k] or ("[]" if k in ("ranks", "hints") else "{}"))
     return d
-
-
-_KIND_TITLE = {
-    "nan": "Non-finite values",
-    "overflow": "Loss-scale overflow",
-    "comm_timeout": "Collective communication timeout",
-    "comm_error": "Collective communication error",
-    "oom": "Out of memory",
-    "process_failure": "Process failure",
-    "slowdown": "Step time slowdown",
-    "data_issue": "Training data issue",
-}
-
-
-def title_for(kind: str, ev: Mapping[str, Any] | None, run: str | None) -> str:
-    parts = [_KIND_TITLE.get(kind, kind)]
-    if ev is not None:
-        where = []
-        if ev.get("stage"):
-            where.append(ev["stage"])
-        if ev.get("rank") is not None:
-            where.append(f"rank {ev['rank']}")
-        if ev.get("epoch") is not None and ev.get("iter") is not None:
-            where.append(f"epoch {ev['epoch']} iter {ev['iter']}")
-        elif ev.get("step") is not None:
-            where.append(f"step {ev['step']}")
-        tensor = ev.get("fields", {}).get("tensor")
-        if tensor and kind == "nan":
-            parts[0] = f"{tensor} is {ev.get('fields', {}).get('value', 'non-finite')}"
-        if where:
-            parts.append("in " + ", ".join(where) if ev.get("stage") else ", ".join(where))
-    if run:
-        parts.append(f"(run {run})")
-    return " ".join(parts)

@@ -57,7 +57,9 @@ def earliest_event(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any]
 def origin_of(ev: Mapping[str, Any]) -> dict[str, Any]:
     """The origin block of an incident rooted at one event."""
     f = ev.get("fields", {})
+    extra = {k: f[k] for k in ("ratio", "baseline", "current", "against") if k in f}
     return {
+        **extra,
         "rank": ev.get("rank"),
         "step": ev.get("step"),
         "epoch": ev.get("epoch"),

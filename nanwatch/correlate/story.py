@@ -1,0 +1,222 @@
+"""An incident's title and short story: what happened where, and what followed from it."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..events import parse_utc
+
+
+@dataclass
+class Story:
+    title: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def ranks_text(ranks: Any) -> str:
+    rs = sorted(set(ranks))
+    if not rs:
+        return "-"
+    parts: list[str] = []
+    start = prev = rs[0]
+    for r in rs[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = r
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(parts)
+
+
+def _at(o: Mapping[str, Any]) -> str:
+    if o.get("epoch") is not None and o.get("iter") is not None:
+        return f"epoch {o['epoch']} iter {o['iter']}"
+    if o.get("step") is not None:
+        return f"step {o['step']}"
+    return ""
+
+
+_STAGE_WORD = {"train": "training", "val": "validation", "test": "testing"}
+
+
+def _composition(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any]:
+    rows = conn.execute(
+        "SELECT kind, rank, count(*), min(time), min(step), max(step), "
+        "group_concat(DISTINCT json_extract(fields, '$.backend')), "
+        "group_concat(DISTINCT json_extract(fields, '$.code')), "
+        "group_concat(DISTINCT json_extract(fields, '$.remote_rank')) "
+        "FROM events WHERE incident_id = ? GROUP BY kind, rank",
+        (incident_id,),
+    ).fetchall()
+    by_kind: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {
+            "ranks": set(),
+            "count": 0,
+            "first": None,
+            "backends": set(),
+            "codes": set(),
+            "remote": set(),
+        }
+    )
+    for kind, rank, n, t0, _s0, _s1, backends, codes, remote in rows:
+        k = by_kind[kind]
+        if rank is not None:
+            k["ranks"].add(rank)
+        k["count"] += n
+        if t0 and (k["first"] is None or t0 < k["first"]):
+            k["first"] = t0
+        for v, key in ((backends, "backends"), (codes, "codes"), (remote, "remote")):
+            if v:
+                k[key].update(x for x in str(v).split(",") if x)
+    return by_kind
+
+
+def describe(
+    conn: sqlite3.Connection,
+    incident_id: int,
+    kind: str,
+    origin: Mapping[str, Any],
+    run: Mapping[str, Any],
+) -> Story:
+    comp = _composition(conn, incident_id)
+    rank = origin.get("rank")
+    stage = origin.get("stage")
+    at = _at(origin)
+    run_name = run.get("name")
+    suffix = f" (run {run_name})" if run_name else ""
+    detail: dict[str, Any] = {}
+    where = ", ".join(
+        x
+        for x in (f"rank {rank}" if rank is not None else "", at, _STAGE_WORD.get(stage or "", ""))
+        if x
+    )
+
+    symptoms = {k: v for k, v in comp.items() if k in ("comm_timeout", "comm_error")}
+    if kind == "oom":
+        title = "Out of memory" + (f" on rank {rank}" if rank is not None else "")
+        if stage:
+            title += f" in {_STAGE_WORD.get(stage, stage)}"
+        if at:
+            title += f" ({at})"
+        detail["root_cause"] = (
+            f"{'Rank ' + str(rank) if rank is not None else 'A rank'} ran out of device memory"
+            + (f" during {_STAGE_WORD.get(stage, stage)}" if stage else "")
+            + (f" ({at})" if at else "")
+            + "."
+        )
+    elif kind == "process_failure":
+        title = "Process failure" + (f" of rank {rank}" if rank is not None else "")
+        detail["root_cause"] = (
+            f"{'Rank ' + str(rank) if rank is not None else 'A process'} exited abnormally"
+            + (f" ({at})" if at else "")
+            + "."
+        )
+    elif kind == "nan":
+        tensor = origin.get("tensor")
+        title = f"Non-finite {tensor}" if tensor else "Non-finite values"
+        if where:
+            title += f" first on {where}"
+        nan = comp.get("nan")
+        if nan and len(nan["ranks"]) > 1 and rank is not None:
+            others = sorted(nan["ranks"] - {rank})
+            if others:
+                detail.setdefault("notes", [])
+        detail.setdefault(
+            "root_cause",
+            "The first non-finite value appeared"
+            + (f" on rank {rank}" if rank is not None else "")
+            + (f" at {at}" if at else "")
+            + (f" in {tensor}" if tensor else "")
+            + ".",
+        )
+    elif kind in ("comm_timeout", "comm_error"):
+        info = comp.get(kind, {})
+        backends = "/".join(sorted(b.upper() for b in info.get("backends", ()))) or "collective"
+        codes = ", ".join(sorted(info.get("codes", ())))
+        what = "timeout" if kind == "comm_timeout" else "error"
+        title = f"{backends} {what} on ranks {ranks_text(info.get('ranks', ()))}"
+        if codes:
+            title += f" ({codes})"
+        remote = sorted(info.get("remote", ()))
+        if remote:
+            title += f", waiting for rank {','.join(remote)}"
+            detail["cause_rank"] = _int(remote[0])
+            detail["root_cause"] = (
+                f"These ranks waited for rank {','.join(remote)} in a collective; look for "
+                f"that rank's own failure (on another node, or not in these logs)."
+            )
+        else:
+            detail["root_cause"] = (
+                "A collective did not complete; the rank that failed first is not in these logs."
+            )
+    elif kind == "slowdown":
+        title = "Step time slowdown"
+        ratio = origin.get("ratio")
+        if ratio:
+            title += f": {ratio:.1f}x"
+    else:
+        title = {"overflow": "Loss-scale overflow", "data_issue": "Training data issue"}.get(
+            kind, kind
+        )
+        if where:
+            title += f" on {where}"
+
+    if symptoms and kind in ("oom", "process_failure"):
+        sym_ranks: set[int] = set()
+        sym_backends: set[str] = set()
+        sym_codes: set[str] = set()
+        first_sym = None
+        for v in symptoms.values():
+            sym_ranks |= v["ranks"]
+            sym_backends |= {b.upper() for b in v["backends"]}
+            sym_codes |= v["codes"]
+            if v["first"] and (first_sym is None or v["first"] < first_sym):
+                first_sym = v["first"]
+        other = sorted(sym_ranks - ({rank} if rank is not None else set()))
+        bk = "/".join(sorted(sym_backends)) or "collective"
+        if other:
+            title += f"; {len(other)} other rank{'s' if len(other) != 1 else ''} then timed out"
+            title += f" in {bk}" if sym_backends else ""
+        delay = _delay(origin.get("time"), first_sym)
+        detail["root_cause"] = (
+            detail.get("root_cause", "")
+            + f" Ranks {ranks_text(other)} then "
+            + ("timed out" if "comm_timeout" in symptoms else "failed")
+            + f" in {bk}"
+            + (f" ({', '.join(sorted(sym_codes))})" if sym_codes else "")
+            + (f" about {delay} later" if delay else "")
+            + ": the timeouts are a symptom of this failure, not a network problem."
+        ).strip()
+        detail["symptom_ranks"] = other
+        detail["symptoms"] = sorted(symptoms)
+    if kind == "nan":
+        nan = comp.get("nan")
+        if nan and rank is not None and len(nan["ranks"]) > 1:
+            detail["followed_on_ranks"] = sorted(nan["ranks"] - {rank})
+    return Story(title + suffix, detail)
+
+
+def _int(x: str) -> int | str:
+    try:
+        return int(x)
+    except ValueError:
+        return x
+
+
+def _delay(t0: Any, t1: Any) -> str:
+    if not t0 or not t1:
+        return ""
+    try:
+        d = parse_utc(str(t1)) - parse_utc(str(t0))
+    except ValueError:
+        return ""
+    if d < 1:
+        return ""
+    if d >= 90:
+        return f"{d / 60:.0f} min ({d:.0f} s)"
+    return f"{d:.0f} s"
