@@ -243,19 +243,32 @@ class TrainingRun:
             self.rank_path(r).write_text("".join(lines), encoding="utf-8")
         return [self.rank_path(r) for r in range(self.ranks)]
 
-    def replay(self, speed: float = 50.0, stop: threading.Event | None = None) -> None:
-        """Append the lines in simulated time divided by ``speed``."""
+    def replay(
+        self,
+        speed: float = 50.0,
+        stop: threading.Event | None = None,
+        *,
+        max_pause: float | None = None,
+    ) -> None:
+        """Append the lines in simulated time divided by ``speed``; long quiet stretches (the
+        1800 s before a collective times out) last at most ``max_pause`` real seconds."""
         self.launch_dir.mkdir(parents=True, exist_ok=True)
         handles = {
             r: open(self.rank_path(r), "a", encoding="utf-8")  # noqa: SIM115 - closed below
             for r in range(self.ranks)
         }
         t0 = time.monotonic()
+        skipped = 0.0
+        last_t = 0.0
         try:
             for line in self.lines():
                 if stop is not None and stop.is_set():
                     return
-                due = t0 + line.t / speed
+                gap = (line.t - last_t) / speed
+                if max_pause is not None and gap > max_pause:
+                    skipped += gap - max_pause
+                last_t = max(last_t, line.t)
+                due = t0 + line.t / speed - skipped
                 delay = due - time.monotonic()
                 if delay > 0:
                     for h in handles.values():
@@ -361,6 +374,41 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
         nan_rank=6,
         nan_at=(3, 130),
         stop_after_nan=5,
+        start=_dt.datetime(2026, 12, 1, 9, 0, 0),
+        seed=2,
+    )
+    return run_a, run_b
+
+
+def demo_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingRun]:
+    """The seed case, shortened for `nanwatch demo` (same story as :func:`seed_scenario`)."""
+    work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
+    run_a = TrainingRun(
+        work_dir,
+        timestamp="20261130_101500",
+        ranks=ranks,
+        epochs=3,
+        iters=100,
+        log_interval=10,
+        step_time=0.86,
+        nan_rank=None,
+        nan_at=None,
+        val_after_epoch=2,
+        oom_rank=3,
+        oom_val_iter=40,
+        seed=1,
+    )
+    run_b = TrainingRun(
+        work_dir,
+        timestamp="20261201_090000",
+        ranks=ranks,
+        epochs=3,
+        iters=100,
+        log_interval=10,
+        step_time=2.84,
+        nan_rank=6,
+        nan_at=(2, 60),
+        stop_after_nan=3,
         start=_dt.datetime(2026, 12, 1, 9, 0, 0),
         seed=2,
     )

@@ -326,7 +326,11 @@ class Correlator:
             ranks = set(inc["ranks"])
             ranks.update(e["rank"] for e in acc.new_events if e.get("rank") is not None)
             times = [t for t in (inc["first_time"], inc["last_time"]) if t]
-            times += [e["time"] for e in acc.new_events if e.get("time")]
+            times += [
+                e["time"] or e["fields"].get("stream_time")
+                for e in acc.new_events
+                if e.get("time") or e["fields"].get("stream_time")
+            ]
             first, last = (min(times), max(times)) if times else (None, None)
             count = inc["event_count"] + len(acc.new_events)
         origin_ev, origin = origin_for(inc["kind"])(self.store.conn, iid)

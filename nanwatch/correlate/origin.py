@@ -58,6 +58,9 @@ def origin_of(ev: Mapping[str, Any]) -> dict[str, Any]:
     """The origin block of an incident rooted at one event."""
     f = ev.get("fields", {})
     extra = {k: f[k] for k in ("ratio", "baseline", "current", "against") if k in f}
+    tensor = f.get("tensor")
+    if "loss" in (f.get("tensors") or ()):
+        tensor = "loss"  # a line with several non-finite terms: the total loss says it best
     return {
         **extra,
         "rank": ev.get("rank"),
@@ -67,7 +70,7 @@ def origin_of(ev: Mapping[str, Any]) -> dict[str, Any]:
         "stage": ev.get("stage"),
         "phase": f.get("phase"),
         "tag": f.get("tag"),
-        "tensor": f.get("tensor"),
+        "tensor": tensor,
         "shape": f.get("shape"),
         "dtype": f.get("dtype"),
         "module": f.get("module"),
