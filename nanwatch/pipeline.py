@@ -80,7 +80,9 @@ class Pipeline:
         self.roots = make_roots(list(paths), must_exist=not live)
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
         self.detector = Detector(self.rules)
-        self.tracker = Tracker(self.roots, self._assign_run, known=self._known(), live=live)
+        self.tracker = Tracker(
+            self.roots, self._assign_run, known=self._known(), next_gen=store.next_gen, live=live
+        )
         self.correlator = Correlator(
             store,
             timeouts=Timeouts(config.knowledge.hccl_exec_timeout, config.knowledge.nccl_timeout),
@@ -97,6 +99,7 @@ class Pipeline:
         self.wake = threading.Event()
         self._stop: threading.Event | None = None
         self.mode = "scan"
+        self.paused: str | None = None  # why the database could not be written, while it can't
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe)."""
@@ -197,7 +200,7 @@ class Pipeline:
         for rec in self.tracker.drain_vanished():
             self._retire(rec)
         self._commit(batch)
-        self._persist_retired()
+        self._persist_records()
         changes = self.correlator.process(live=self.live)
         if changes:
             if self.outbox is not None:
@@ -216,11 +219,26 @@ class Pipeline:
         if rec.id is not None:
             self.store.set_source_status(rec.id, status)
 
-    def _persist_retired(self) -> None:
-        for rec in self.tracker.retired:
-            if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status:
-                self.store.set_source_status(rec.id, rec.status)
-                rec._saved_status = rec.status  # type: ignore[attr-defined]
+    def _persist_records(self) -> None:
+        """Every decision about a file (a new one, a rotated copy resuming at byte N, a new
+        generation after truncation, a retirement) is stored even when no bytes came with it,
+        so a restart makes the same decision."""
+        with self.store.transaction():
+            for rec in self.tracker.records.values():
+                if rec.id is None and rec.status == "active":
+                    self.store.save_source(
+                        rec,
+                        offset=rec.offset,
+                        tail_hash=rec.tail_hash,
+                        head_hash=rec.head_hash,
+                        head_len=rec.head_len,
+                        cutting=rec.cutting,
+                        ctx=rec.state.to_json(),
+                    )
+            for rec in self.tracker.retired:
+                if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status:
+                    self.store.set_source_status(rec.id, rec.status)
+                    rec._saved_status = rec.status  # type: ignore[attr-defined]
 
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:
@@ -317,7 +335,7 @@ class Pipeline:
             sender.start()
         poll = self.config.sources.poll_interval
         try:
-            self.step()
+            self._safe_step(stop)
             if on_ready is not None:
                 on_ready()
             last_full = time.monotonic()
@@ -340,11 +358,8 @@ class Pipeline:
                 full = mode == "poll" or structural or now - last_full >= SAFETY_POLL
                 if structural:
                     watcher.rescan_roots()
-                try:
-                    changes = self.step(discover=full, only=None if full else dirty)
-                except StoreError as e:
-                    log.error("%s; pausing for %.0fs", e, max(poll, 5.0))
-                    stop.wait(max(poll, 5.0))
+                changes = self._safe_step(stop, discover=full, only=None if full else dirty)
+                if changes is None:
                     continue
                 if full:
                     last_full = now
@@ -356,7 +371,7 @@ class Pipeline:
                 if on_tick is not None:
                     on_tick()
             # drain: whatever was written up to now is committed before exit
-            self.step()
+            self._safe_step(None)
         finally:
             watcher.stop()
             if sender is not None:
@@ -375,6 +390,24 @@ class Pipeline:
                 if self.outbox is not None:
                     self.outbox.record(sender.drain_results())
             self.tracker.close()
+
+    def _safe_step(self, stop: threading.Event | None, **kw: Any) -> list[Change] | None:
+        """A step that survives an unwritable database (disk full, I/O error): nothing is
+        committed, so nothing is lost; the daemon says so once, waits and tries again."""
+        try:
+            changes = self.step(**kw)
+        except StoreError as e:
+            pause = max(self.config.sources.poll_interval, 5.0)
+            if self.paused != str(e):
+                log.error("%s; paused: nothing read is lost, retrying every %.0f s", e, pause)
+            self.paused = str(e)
+            if stop is not None:
+                stop.wait(pause)
+            return None
+        if self.paused is not None:
+            log.warning("the database is writable again; resumed")
+            self.paused = None
+        return changes
 
     def run_ids(self) -> list[int]:
         """The runs of every file these paths cover (read now or before)."""

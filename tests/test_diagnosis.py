@@ -203,6 +203,12 @@ def test_jitter_warmup_and_validation_raise_no_slowdown(tmp_path: Path, db: Path
     assert [i["kind"] for i in scan(db, tmp_path / "job")] == []
 
 
+def test_millisecond_steps_jittering_are_not_a_slowdown(tmp_path: Path, db: Path) -> None:
+    times = [0.0008, 0.0013, 0.0009] * 10 + [0.0025] * 20  # 3x, but 2 ms
+    write_lines(tmp_path / "job" / "rank0.log", _train_lines(times))
+    assert scan(db, tmp_path / "job") == []
+
+
 def test_mid_run_slowdown_against_own_baseline(tmp_path: Path, db: Path) -> None:
     times = [0.86] * 40 + [2.84] * 30
     write_lines(tmp_path / "job" / "rank0.log", _train_lines(times))

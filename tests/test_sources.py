@@ -298,3 +298,5 @@ def test_rotated_names() -> None:
     assert rotated_name_of("/l/rank0.log.2.gz", "/l/rank0.log")
     assert not rotated_name_of("/l/rank1.log", "/l/rank0.log")
     assert not rotated_name_of("/l/rank0.log.bak", "/l/rank0.log")
+    assert rotated_name_of("/l/rank0.log.2", "/l/rank0.log.1")  # the original moved on too
+    assert not rotated_name_of("/l/rank1.log.2", "/l/rank0.log.1")

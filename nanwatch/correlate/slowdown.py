@@ -19,7 +19,12 @@ from typing import Any
 from ..events import Event
 
 THRESHOLD = 1.5
+MIN_INCREASE = 0.05  # seconds per step: millisecond steps jitter by 50% without meaning much
 MIN_POINTS = 6
+
+
+def _slow(current: float, baseline: float) -> bool:
+    return current >= THRESHOLD * baseline and current - baseline >= MIN_INCREASE
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,9 @@ def own_baseline_finding(points: list[Point]) -> Finding | None:
         return None
     for i in range(k, len(pts) - k + 1):
         cur = median(p.seconds for p in pts[i : i + k])
-        if cur >= THRESHOLD * base:
+        if _slow(cur, base):
             # the first step of the slow stretch
-            start = next((p for p in pts[i : i + k] if p.seconds >= THRESHOLD * base), pts[i])
+            start = next((p for p in pts[i : i + k] if _slow(p.seconds, base)), pts[i])
             return Finding(start, cur / base, base, cur, "own")
     return None
 
@@ -99,7 +104,7 @@ def previous_run_finding(
     base = median(p.seconds for p in prev)
     k = window(len(pts))
     cur = median(p.seconds for p in pts[:k])
-    if base > 0 and cur >= THRESHOLD * base:
+    if base > 0 and _slow(cur, base):
         return Finding(pts[0], cur / base, base, cur, previous_name)
     return None
 

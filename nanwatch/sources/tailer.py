@@ -38,12 +38,29 @@ _ROTATED_SUFFIX = re.compile(
 )
 
 
+_TRAILING_ROTATION = re.compile(
+    r"(?:[.-]\d{1,10}|[.-]\d{8}(?:[-_]?\d{2,6})?)(?:\.gz|\.bz2|\.xz|\.zst)?$"
+)
+
+
+def rotation_base(name: str) -> str:
+    """rank0.log.2.gz -> rank0.log; rank0.log-20261130 -> rank0.log; rank0.log -> rank0.log."""
+    base = os.path.basename(name)
+    stripped = _TRAILING_ROTATION.sub("", base)
+    return stripped or base
+
+
 def rotated_name_of(candidate: str, original: str) -> bool:
-    """Is ``candidate`` a rotated sibling's name of ``original`` (rank0.log -> rank0.log.1)?"""
+    """Is ``candidate`` a rotated sibling of ``original`` (rank0.log, rank0.log.1, .2, ...)?
+
+    Compared by base name, because the original may itself have been rotated meanwhile."""
     a, b = os.path.basename(candidate), os.path.basename(original)
-    if not a.startswith(b) or a == b:
+    if a == b:
         return False
-    return bool(_ROTATED_SUFFIX.match(a[len(b) :]))
+    base = rotation_base(b)
+    if not a.startswith(base) or not _ROTATED_SUFFIX.match(a[len(base) :]):
+        return False
+    return b == base or bool(_ROTATED_SUFFIX.match(b[len(base) :]))
 
 
 def _digest(data: bytes) -> str:
@@ -104,12 +121,15 @@ class Tracker:
         assign_run: Callable[[Root, str], int],
         *,
         known: Iterable[SourceRecord] = (),
+        next_gen: Callable[[int, int], int] | None = None,
         live: bool = True,
         max_line: int = MAX_LINE,
         read_chunk: int = READ_CHUNK,
     ) -> None:
         self.roots = roots
         self.assign_run = assign_run
+        # generations are numbered by the store: a reused inode must never reuse a generation
+        self.next_gen = next_gen or (lambda dev, ino: 0)
         self.live = live
         self.max_line = max_line
         self.read_chunk = read_chunk
@@ -203,7 +223,14 @@ class Tracker:
             self.counters["files_binary"] += 1
             return None
         self.unreadable.pop(path, None)
-        rec = SourceRecord(path=path, root=root, dev=st.st_dev, ino=st.st_ino, size=st.st_size)
+        rec = SourceRecord(
+            path=path,
+            root=root,
+            dev=st.st_dev,
+            ino=st.st_ino,
+            size=st.st_size,
+            gen=self._gen(st.st_dev, st.st_ino),
+        )
         rec.state.rank = rank_from_path(path, root.base)
         rec.fd = fd
         self._remember_fd(rec)
@@ -222,6 +249,14 @@ class Tracker:
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec
+
+    def _gen(self, dev: int, ino: int, at_least: int = 0) -> int:
+        used = [
+            r.gen + 1
+            for r in (*self.records.values(), *self.retired)
+            if (r.dev, r.ino) == (dev, ino)
+        ]
+        return max([at_least, self.next_gen(dev, ino), *used])
 
     def _copy_candidate(self, rec: SourceRecord, fd: int, size: int) -> SourceRecord | None:
         """A known generation in the same folder whose bytes before its offset this file holds."""
@@ -260,7 +295,8 @@ class Tracker:
             return twin.fd is not None  # renamed out of sight while we still hold it
         if (st.st_dev, st.st_ino) != twin.key:
             return True
-        return st.st_size < twin.offset
+        # truncated, or truncated and regrown with other bytes (e.g. while nanwatch was stopped)
+        return self.check(twin) in ("truncated", "replaced")
 
     def _continue_from(self, rec: SourceRecord, twin: SourceRecord) -> None:
         log.info("%s: rotated copy of %s; reading from byte %d", rec.path, twin.path, twin.offset)
@@ -372,8 +408,11 @@ class Tracker:
                 return "replaced"
         return "ok"
 
-    def restart_generation(self, rec: SourceRecord, why: str) -> SourceRecord:
-        """The file under this identity now holds new content: retire the old generation."""
+    def restart_generation(
+        self, rec: SourceRecord, why: str, *, status: str = "truncated"
+    ) -> SourceRecord:
+        """The file under this identity now holds new content: retire the old generation; the
+        new one takes over the open descriptor, so it is read in the same pass."""
         self.counters["truncations"] += 1
         log.info("%s: %s; reading it again from the start", rec.path, why)
         fresh = SourceRecord(
@@ -382,7 +421,7 @@ class Tracker:
             dev=rec.dev,
             ino=rec.ino,
             run_id=rec.run_id,
-            gen=rec.gen + 1,
+            gen=self._gen(rec.dev, rec.ino, rec.gen + 1),
         )
         fresh.state = StreamState(
             rank=rec.state.rank,
@@ -393,7 +432,7 @@ class Tracker:
         fd = rec.fd
         rec.fd = None
         self._open.pop(rec.key, None)
-        rec.status = "truncated"
+        rec.status = status
         rec.since = time.monotonic()
         self.retired.append(rec)
         self.retired = self.retired[-256:]
@@ -409,11 +448,12 @@ class Tracker:
             return
         verdict = self.check(rec)
         if verdict in ("truncated", "replaced"):
-            if rec.status == "copied-pending":
-                rec.status = "copied"
-                self._retire(rec, "copied")
+            # a generation whose tail a rotated copy already took over is not a twin again
+            status = "copied" if rec.status == "copied-pending" else "truncated"
             rec = self.restart_generation(
-                rec, "truncated" if verdict == "truncated" else "content before the offset changed"
+                rec,
+                "truncated" if verdict == "truncated" else "content before the offset changed",
+                status=status,
             )
         elif verdict == "gone":
             self._retire(rec, "gone")

@@ -71,6 +71,14 @@ def choose_mode(mode: str, roots: Iterable[Root]) -> tuple[str, str]:
 _IGNORED = {"opened", "closed_no_write"}
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 class Watcher:
     """Wakes ``wake`` on filesystem activity below the roots; collects the touched paths."""
 
@@ -81,7 +89,7 @@ class Watcher:
         self._dirty: set[str] = set()
         self._structural = False
         self._observer: Any = None
-        self.watched: set[str] = set()
+        self._watches: dict[str, tuple[Any, tuple[int, int] | None]] = {}
 
     def start(self) -> bool:
         """Start inotify watches; False when the system refuses (limits): the caller polls."""
@@ -109,21 +117,37 @@ class Watcher:
         return ok
 
     def _schedule_all(self) -> bool:
+        """Watch each root's folder; a missing one through its nearest existing parent (to see
+        it appear); a folder replaced by another (moved away and recreated) is watched again."""
         ok = True
         for r in self.roots:
-            base = r.base
-            if base in self.watched or not os.path.isdir(base):
+            target, recursive = r.base, r.kind != "file"
+            while not os.path.isdir(target) and os.path.dirname(target) != target:
+                target, recursive = os.path.dirname(target), False
+            ident = _identity(target)
+            known = self._watches.get(target)
+            if known is not None and known[1] == ident:
                 continue
+            if known is not None:
+                try:
+                    self._observer.unschedule(known[0])
+                except (KeyError, OSError, ValueError):
+                    pass
             try:
-                self._observer.schedule(self._handler, base, recursive=r.kind != "file")
-                self.watched.add(base)
+                watch = self._observer.schedule(self._handler, target, recursive=recursive)
             except OSError as e:
-                log.warning("%s: cannot watch with inotify (%s); polling it", base, e)
+                log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
                 ok = False
+                continue
+            self._watches[target] = (watch, ident)
         return ok
 
+    @property
+    def watched(self) -> set[str]:
+        return set(self._watches)
+
     def rescan_roots(self) -> None:
-        """Roots that did not exist at start are watched once they appear."""
+        """After structural changes: watch roots that appeared or were replaced."""
         if self._observer is not None:
             self._schedule_all()
 

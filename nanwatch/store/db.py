@@ -54,6 +54,41 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
     return StoreError(f"{path}: database error: {msg}")
 
 
+class WriterLock:
+    """One writing process per database: ``<db>.lock`` held with flock while it writes."""
+
+    def __init__(self, db_path: Path) -> None:
+        self.path = Path(str(db_path) + ".lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise StoreError(
+                f"{self.path.with_suffix('')}: another nanwatch process (pid {holder}) is "
+                "writing this database; stop it, or pass another --db"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class Store:
     """Owns one connection. The writer thread uses it for every write (invariant 5)."""
 
@@ -63,6 +98,7 @@ class Store:
         self.readonly = readonly
         self.db = sqlite_utils.Database(conn)
         self._in_tx = False
+        self.lock: WriterLock | None = None
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -101,6 +137,8 @@ class Store:
             raise StoreError(
                 f"{p.parent}: cannot create the database folder ({e.strerror})"
             ) from None
+        lock = WriterLock(p)
+        lock.acquire()
         try:
             conn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
@@ -110,9 +148,14 @@ class Store:
             conn.execute("PRAGMA foreign_keys=OFF")
             conn.execute("PRAGMA busy_timeout=5000")
             store = cls(p, conn, readonly=False)
+            store.lock = lock
             store._migrate()
         except sqlite3.Error as e:
+            lock.release()
             raise _explain(p, e) from None
+        except BaseException:
+            lock.release()
+            raise
         return store
 
     def _migrate(self) -> None:
@@ -143,6 +186,8 @@ class Store:
         except sqlite3.Error:
             pass
         self.conn.close()
+        if self.lock is not None:
+            self.lock.release()
 
     # -- transactions ----------------------------------------------------------------------------
 
@@ -158,12 +203,14 @@ class Store:
         self._in_tx = True
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             self._in_tx = False
             try:
                 self.conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+            if isinstance(e, sqlite3.Error):
+                raise _explain(self.path, e) from None
             raise
         self._in_tx = False
         try:
@@ -304,7 +351,7 @@ class Store:
             return int(rec.id)
         self.execute(
             "UPDATE sources SET path=?, offset=?, tail_hash=?, head_hash=?, head_len=?, cutting=?, "
-            "lines_cut=?, ctx=?, status=?, updated_at=? WHERE id=?",
+            "lines_cut=?, ctx=?, status=?, updated_at=?, run_id=coalesce(?, run_id) WHERE id=?",
             (
                 rec.path,
                 offset,
@@ -316,10 +363,18 @@ class Store:
                 ctx,
                 status or rec.status,
                 now,
+                rec.run_id,
                 rec.id,
             ),
         )
         return int(rec.id)
+
+    def next_gen(self, dev: int, ino: int) -> int:
+        """The next generation number for a file identity (inodes are reused)."""
+        row = self.conn.execute(
+            "SELECT max(gen) FROM sources WHERE dev = ? AND ino = ?", (dev, ino)
+        ).fetchone()
+        return 0 if row is None or row[0] is None else int(row[0]) + 1
 
     def set_source_status(self, source_id: int, status: str) -> None:
         self.execute(
