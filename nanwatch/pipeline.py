@@ -373,7 +373,8 @@ class Pipeline:
                     if not due:
                         break
                     time.sleep(0.05)
-                sender.stop()
+                # longer than a sink's HTTP timeout: a reply that arrives is recorded, not lost
+                sender.stop(timeout=15.0)
                 if self.outbox is not None:
                     self.outbox.record(sender.drain_results())
             self.tracker.close()

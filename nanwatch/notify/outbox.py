@@ -8,7 +8,8 @@ A sink may opt in to more than "one row, one delivery":
 
 - ``coalesce = True``: every undelivered row of the same incident that was queued before the
   due one is handed over with it (``row["absorbed"]``) and marked delivered together, so a
-  sink that renders the incident's current state sends one message for many changes.
+  sink that renders the incident's current state sends one message for many changes
+  (actions named in ``solo_actions`` are never merged).
 - ``load(conn, incident_id)``: reads what the sink needs about an incident (on the sender's
   read-only connection) instead of :func:`load_incident`.
 - ``repeat_interval`` (seconds, > 0): open incidents this sink has told about and not
@@ -17,7 +18,9 @@ A sink may opt in to more than "one row, one delivery":
   (an active silence, a rate limit that was never hit, a parent message not posted yet).
 
 What a sink returns from ``deliver`` (``{"message": {"channel": ..., "ts": ...}}``) is kept in
-the ``messages`` table, so the next process edits the same message instead of posting anew.
+the ``messages`` table, so the next process edits the same message instead of posting anew;
+``{"then": ["plot"]}`` queues follow-up rows (once per incident and action), delivered and
+retried like any other.
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ class Outbox:
                     )
                     if r.remember and "message" in r.remember:
                         self._remember(r.row_id, r.remember["message"])
+                    if r.remember and r.remember.get("then"):
+                        self._follow_up(r.row_id, r.remember["then"])
                 elif r.deferred:
                     self.store.execute(
                         "UPDATE outbox SET last_error=?, due_at=? WHERE id=?",
@@ -199,6 +204,19 @@ class Outbox:
                 now,
             ),
         )
+
+    def _follow_up(self, row_id: int, actions: Iterable[str]) -> None:
+        row = self.store.conn.execute(
+            "SELECT incident_id, sink FROM outbox WHERE id=?", (row_id,)
+        ).fetchone()
+        if row is None:
+            return
+        for action in actions:
+            self.store.execute(
+                "INSERT OR IGNORE INTO outbox(incident_id, sink, action, payload, dedup_key, "
+                "created_at, due_at) VALUES (?,?,?,'{}',?,?,?)",
+                (row[0], row[1], action, f"{row[1]}:{row[0]}:{action}", now_utc(), time.time()),
+            )
 
     def pending(self, *, include_silenced: bool = True) -> int:
         sql = "SELECT count(*) FROM outbox WHERE delivered_at IS NULL"
@@ -308,8 +326,9 @@ class Sender:
                 "due_at": due_at,
                 "absorbed": [],
             }
-            if getattr(sink, "coalesce", False) and iid is not None:
-                row["absorbed"] = self._siblings(store, row)
+            solo = tuple(getattr(sink, "solo_actions", ()))
+            if getattr(sink, "coalesce", False) and iid is not None and action not in solo:
+                row["absorbed"] = [s for s in self._siblings(store, row) if s["action"] not in solo]
             # the incident is read after its rows, so it is at least as new as any of them
             loader = getattr(sink, "load", None) or load_incident
             incident = loader(store.conn, iid) if iid is not None else {}

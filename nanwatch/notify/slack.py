@@ -236,6 +236,7 @@ class SlackSink:
 
     name = "slack"
     coalesce = True
+    solo_actions = ("plot",)  # the picture is its own step, retried on its own
 
     def __init__(
         self,
@@ -309,7 +310,12 @@ class SlackSink:
             "SELECT root_event_id FROM incidents WHERE id=?", (incident_id,)
         ).fetchone()
         inc["_first_line"] = self._first_line(conn, root[0] if root else None)
-        if row is None and self.plots and self.client is not None:
+        plot_pending = conn.execute(
+            "SELECT 1 FROM outbox WHERE incident_id=? AND sink=? AND action='plot' "
+            "AND delivered_at IS NULL",
+            (incident_id, self.name),
+        ).fetchone()
+        if plot_pending:
             from .plot import metrics_for
 
             inc["_plot_rows"] = metrics_for(conn, inc)
@@ -349,6 +355,8 @@ class SlackSink:
         if not incident:
             return None  # removed by retention meanwhile
         iid = int(row["incident_id"])
+        if row["action"] == "plot":
+            return self._attach_plot(incident)
         rows = [row, *row.get("absorbed", [])]
         actions = {str(r["action"]) for r in rows}
         message: Mapping[str, Any] | None = self._posted.get(iid) or incident.get("_message")
@@ -400,10 +408,16 @@ class SlackSink:
             )
             channel_id, ts = str(resp["channel"]), str(resp["ts"])
             message = {"channel": channel_id, "ts": ts}
-            self._ids.setdefault(channel, channel_id)
+            if channel not in self._ids:
+                # pace by the channel's ID from now on, keeping the budget spent under its name
+                self._ids[channel] = channel_id
+                self._next_call[channel_id] = max(
+                    self._next_call.get(channel_id, 0.0), self._next_call.pop(channel, 0.0)
+                )
             self._posted[iid] = message
-            self._attach_plot(inc, channel_id, ts)
         self._last_sent[iid] = time.time()
+        if self.plots and self.client is not None:
+            return {"message": message, "then": ["plot"]}
         return {"message": message}
 
     def _edit(
@@ -521,30 +535,31 @@ class SlackSink:
             return self._send_webhook(text, None)
         raise DeliveryError(f"webhook: HTTP {status} {body}", permanent=True)
 
-    def _attach_plot(self, inc: Mapping[str, Any], channel: str, ts: str) -> None:
+    def _attach_plot(self, inc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The incident's plot in its thread (files_upload_v2: get URL, upload, complete)."""
+        message = self._posted.get(int(inc["id"])) or inc.get("_message")
         rows = inc.get("_plot_rows")
-        if not rows:
-            return
+        if not message or not message.get("ts") or not rows:
+            return None
         from .plot import PlotUnavailable, render_png
 
         try:
             png = render_png(inc, rows)
-        except PlotUnavailable:
-            return
-        try:
-            self._call(
-                channel,
-                "files.upload",
-                self.client.files_upload_v2,
-                channel=channel,
-                thread_ts=ts,
-                file=png,
-                filename=f"nanwatch-incident-{inc['id']}.png",
-                title=f"Incident #{inc['id']}: loss, grad norm and step time per rank",
-            )
-        except (DeliveryError, Deferred) as e:
-            # the picture is a bonus: the message itself is delivered
-            log.warning("incident %s: could not attach the plot (%s)", inc["id"], e)
+        except PlotUnavailable as e:
+            log.info("incident %s: no plot (%s)", inc["id"], e)
+            return None
+        channel = str(message["channel"])
+        self._call(
+            channel,
+            "files.upload",
+            self.client.files_upload_v2,
+            channel=channel,
+            thread_ts=str(message["ts"]),
+            file=png,
+            filename=f"nanwatch-incident-{inc['id']}.png",
+            title=f"Incident #{inc['id']}: loss, grad norm and step time per rank",
+        )
+        return None
 
 
 # --- notify-test --------------------------------------------------------------------------------
