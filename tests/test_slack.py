@@ -22,6 +22,7 @@ from nanwatch.notify.silences import add_silence
 from nanwatch.notify.slack import SlackSettings, SlackSink, slack_settings
 from nanwatch.notify.slack_text import FIELD_MAX, HEADER_MAX, SECTION_MAX, parent_blocks
 from nanwatch.pipeline import Pipeline
+from nanwatch.simulate import seed_scenario
 from nanwatch.store import Store
 
 from .slack_server import TOKEN, SlackServer
@@ -474,3 +475,27 @@ def test_plot_is_attached_to_the_thread_once_even_after_a_failure(
     (fid,) = slack.uploads
     assert slack.uploads[fid][:8] == b"\x89PNG\r\n\x1a\n"
     assert [c.status for c in slack.calls_to("files.getUploadURLExternal")] == [500, 200]
+
+
+def test_the_oom_and_its_timeouts_arrive_as_one_message(
+    slack: SlackServer, rig_factory: Callable[..., Rig], tmp_path: Path
+) -> None:
+    run_a, _ = seed_scenario(tmp_path / "seed", ranks=4)
+    lines = list(run_a.lines())
+    cut = min(line.t for line in lines if "EI0002" in line.text)
+    rig = rig_factory(sink_for(slack, group_wait=1.0))
+    for phase in (
+        [line for line in lines if line.t < cut],  # ... validation, rank 3 runs out of memory
+        [line for line in lines if line.t >= cut],  # the other ranks time out in HCCL
+    ):
+        for rank in range(4):
+            with open(rig.logs / f"rank{rank}.log", "a", encoding="utf-8") as f:
+                f.writelines(line.text + "\n" for line in phase if line.rank == rank)
+        rig.step()
+        rig.pump(lambda: True)
+    rig.pump(lambda: rig.pending() == 0)
+    rig.settle(0.5)
+    (parent,) = slack.parents()
+    assert "#1 oom" in parent.text and "ranks 0-3" in parent.text
+    assert "timed out in HCCL" in json.dumps(parent.blocks)
+    assert parent.edits == [] and slack.replies(parent.ts) == []

@@ -367,8 +367,8 @@ class SlackSink:
                 return None
             if row["action"] != "open" and min(opens) > time.time():
                 raise Deferred("the incident's first message waits for group_wait", min(opens))
-            if incident.get("status") == "resolved":
-                return None  # resolved before it was announced: nothing to tell
+            if incident.get("status") != "open":
+                return None  # resolved or merged before it was announced: nothing to tell
             return self._announce(incident)
         if actions == {"open"}:
             return None  # already posted (a replayed row)

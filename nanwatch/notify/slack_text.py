@@ -60,14 +60,30 @@ def _section(text: str) -> dict[str, Any]:
     return {"type": "section", "text": _mrkdwn(text)}
 
 
+_ICONS = {"resolved": ":white_check_mark:", "merged": ":link:"}
+_SOFT_BREAK = re.compile(r"(?<!\n)\n(?!\n)")
+HINT_MAX = 700  # the full text is in `nanwatch show`
+
+
 def status_icon(inc: Mapping[str, Any]) -> str:
-    return ":white_check_mark:" if inc.get("status") == "resolved" else ":rotating_light:"
+    return _ICONS.get(str(inc.get("status")), ":rotating_light:")
+
+
+def _state(inc: Mapping[str, Any]) -> str:
+    """``Resolved: `` / ``Merged into #3: `` before the title; nothing while open."""
+    status = inc.get("status")
+    if status == "resolved":
+        return "Resolved: "
+    if status == "merged":
+        into = (inc.get("detail") or {}).get("merged_into")
+        return f"Merged into #{into}: " if into else "Merged: "
+    return ""
 
 
 def headline(inc: Mapping[str, Any]) -> str:
     """One line, escaped: the fallback text and the notification preview."""
     iid = inc.get("id")
-    state = "RESOLVED " if inc.get("status") == "resolved" else ""
+    state = _state(inc)
     title = str(inc.get("title", ""))
     run = inc.get("run")
     where = f"run {run}, " if run and f"(run {run})" not in title else ""
@@ -83,8 +99,7 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     """The incident's parent message: what, where, root cause and origin, top hint, more."""
     iid = inc.get("id")
     more = _more(iid)
-    resolved = inc.get("status") == "resolved"
-    head = ("Resolved: " if resolved else "") + f"#{iid} {inc.get('title', '')}"
+    head = _state(inc) + f"#{iid} {inc.get('title', '')}"
     blocks: list[dict[str, Any]] = [
         {
             "type": "header",
@@ -128,10 +143,10 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     if hints:
         h = hints[0]
         text = f"*Known cause:* {escape(h.get('title', ''))}"
-        body = str(h.get("text") or "").strip()
+        # knowledge-base text is wrapped for terminals; Slack wraps by itself
+        body = _SOFT_BREAK.sub(" ", str(h.get("text") or "").strip())
         if body:
-            text += "\n" + escape(body)
-        text = clip(text, SECTION_MAX // 2, more)
+            text += "\n" + clip(escape(body), HINT_MAX, more)
         commands = [str(c) for c in h.get("commands") or []]
         if commands:
             text += "\n" + _code(commands[0], SECTION_MAX - len(text) - 1, iid)
