@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from nanwatch.cli import cli
 from nanwatch.simulate import TrainingRun
 
+from .conftest import nanwatch
 from .slack_server import TOKEN, SlackServer
 
 
@@ -149,3 +150,33 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
     assert "4 rank(s)" in out
     code, out = invoke("plot", "99", "-o", str(out_png), "--db", db)
     assert code == 1 and "no incident 99" in out
+
+
+def test_secrets_stay_out_of_debug_logs(slack: SlackServer, tmp_path: Path) -> None:
+    run = TrainingRun(tmp_path / "wd", ranks=2, nan_rank=1)
+    run.write()
+    hook = tmp_path / "hook"
+    hook.write_text(slack.webhook_url)
+    hook.chmod(0o600)
+    bot = write_config(
+        tmp_path,
+        f'[slack]\nchannel = "#a"\ntoken_file = "@TOKEN@"\nbase_url = "{slack.base_url}"\n',
+    )
+    web = tmp_path / "webhook.toml"
+    web.write_text(f'[slack]\nwebhook_url_file = "{hook}"\n')
+    for i, cfg in enumerate((bot, web)):
+        out = nanwatch(
+            "scan",
+            "--notify",
+            "-vv",
+            "--config",
+            str(cfg),
+            "--db",
+            str(tmp_path / f"{i}.db"),
+            str(run.work_dir),
+        )
+        if i == 0:
+            assert "DEBUG slack_sdk" in out.stderr  # debug logging of the HTTP calls was on
+        assert TOKEN not in out.stderr + out.stdout
+        assert "/services/T0000" not in out.stderr + out.stdout
+    assert len(slack.parents()) == 1 and len(slack.webhook_posts) == 1

@@ -72,6 +72,10 @@ _BAD_MESSAGE = {"invalid_blocks", "invalid_blocks_format", "msg_too_long", "too_
 _WEBHOOK_FIX = {403: "action_prohibited", 404: "no_service", 410: "channel_is_archived"}
 
 
+# slack_sdk logs a webhook's URL (a secret) at DEBUG; this logger never passes DEBUG on
+_QUIET = logging.getLogger("nanwatch.notify.slack.webhook")
+_QUIET.setLevel(logging.INFO)
+
 # --- settings -----------------------------------------------------------------------------------
 
 
@@ -267,7 +271,10 @@ class SlackSink:
             )
         else:
             self.webhook = WebhookClient(
-                str(settings.webhook_url), timeout=max(1, int(timeout)), retry_handlers=[]
+                str(settings.webhook_url),
+                timeout=max(1, int(timeout)),
+                retry_handlers=[],
+                logger=_QUIET,
             )
         # what this process posted, until the writer has stored it in `messages`
         self._posted: dict[int, Mapping[str, Any]] = {}
@@ -593,6 +600,7 @@ def self_test(settings: SlackSettings, *, timeout: float = 10.0) -> list[dict[st
     if settings.mode == "webhook":
         hook = WebhookClient(
             str(settings.webhook_url),
+            logger=_QUIET,
             timeout=max(1, int(timeout)),
             retry_handlers=[RateLimitErrorRetryHandler(max_retry_count=1)],
         )
