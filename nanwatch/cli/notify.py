@@ -36,7 +36,7 @@ def notify_test(config_path: Path | None, as_json: bool) -> None:
       nanwatch notify-test --config /etc/nanwatch/nanwatch.toml
       SLACK_BOT_TOKEN=... nanwatch notify-test --config nanwatch.toml --json
     """
-    from ..notify.slack import self_test, slack_settings
+    from ..notify.slack_api import self_test, slack_settings
 
     config, _ = resolve(config_path, None)
     settings = slack_settings(config)
