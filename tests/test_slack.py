@@ -6,6 +6,7 @@ In-process: a Pipeline reads real log files, the outbox and a Sender deliver to
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import time
@@ -499,3 +500,34 @@ def test_the_oom_and_its_timeouts_arrive_as_one_message(
     assert "#1 oom" in parent.text and "ranks 0-3" in parent.text
     assert "timed out in HCCL" in json.dumps(parent.blocks)
     assert parent.edits == [] and slack.replies(parent.ts) == []
+
+
+def test_one_budget_per_channel_also_after_a_restart(
+    slack: SlackServer, rig_factory: Callable[..., Rig], tmp_path: Path
+) -> None:
+    rig = rig_factory(sink_for(slack))
+    rig.nan(0)
+    rig.step()
+    rig.pump(lambda: len(slack.parents()) == 1)
+    rig.close()
+    sink = sink_for(slack, group_interval=0.0)
+    sink.pace = 1.0
+    again = Rig(tmp_path, sink)  # a new process: it knows the channel only by its name
+    try:
+        again.lines = {0: 1}
+        again.nan(1)  # news for incident 1 (by the channel's ID) ...
+        again.step()
+        with open(again.logs / "rank1.log", "a") as f:  # ... and a new incident (by its name)
+            f.write(
+                "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.11 GiB "
+                "total capacity; 70.00 GiB already allocated; 1.00 GiB free; 76.00 GiB reserved "
+                "in total by PyTorch)\n"
+            )
+        again.step()
+        (first,) = slack.parents()
+        again.pump(lambda: len(slack.parents()) == 2 and bool(slack.replies(first.ts)))
+        times = sorted(c.at for c in slack.calls if c.method.startswith("chat."))[1:]
+        assert len(times) == 3
+        assert all(b - a >= 0.9 for a, b in itertools.pairwise(times))
+    finally:
+        again.close()

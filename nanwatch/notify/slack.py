@@ -182,6 +182,9 @@ class SlackSink:
         rows = [row, *row.get("absorbed", [])]
         actions = {str(r["action"]) for r in rows}
         message: Mapping[str, Any] | None = self._posted.get(iid) or incident.get("_message")
+        if message is not None and self.client is not None:
+            # after a restart: the channel's name and ID share one budget again
+            self._learn_id(self.route(incident), str(message["channel"]))
         if message is None:
             opens = [float(r.get("due_at") or 0) for r in rows if r["action"] == "open"]
             if not opens:
@@ -230,12 +233,7 @@ class SlackSink:
             )
             channel_id, ts = str(resp["channel"]), str(resp["ts"])
             message = {"channel": channel_id, "ts": ts}
-            if channel not in self._ids:
-                # pace by the channel's ID from now on, keeping the budget spent under its name
-                self._ids[channel] = channel_id
-                self._next_call[channel_id] = max(
-                    self._next_call.get(channel_id, 0.0), self._next_call.pop(channel, 0.0)
-                )
+            self._learn_id(channel, channel_id)
             self._posted[iid] = message
         self._last_sent[iid] = time.time()
         if self.plots and self.client is not None:
@@ -294,7 +292,16 @@ class SlackSink:
         self._send_webhook(text, None)
         return {"message": {"channel": "webhook"}}
 
-    # -- HTTP ------------------------------------------------------------------------------------
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _learn_id(self, channel: str, channel_id: str) -> None:
+        """Pace by the channel's ID from now on, keeping the budget spent under its name."""
+        if channel in self._ids or channel == channel_id:
+            return
+        self._ids[channel] = channel_id
+        self._next_call[channel_id] = max(
+            self._next_call.get(channel_id, 0.0), self._next_call.pop(channel, 0.0)
+        )
 
     def _gate(self, channel: str) -> str:
         """Per-channel budget: wait for the next slot, or hold the row while Slack said 429."""
