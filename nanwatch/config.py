@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from .errors import ConfigError
 
@@ -188,12 +189,24 @@ def _mode(v: object, where: str, base: Path | None) -> object:
     return v
 
 
+def _url(v: object, where: str, base: Path | None) -> object:
+    s = _str(v, where, base)
+    assert isinstance(s, str)
+    parsed = urlparse(s)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"{where}: expected an http(s) URL such as https://slack.com/api/")
+    return s
+
+
 def _routes(v: object, where: str, base: Path | None) -> object:
+    from .events import KINDS
+
     if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
         raise ConfigError(
             f"{where}: expected a list of tables such as "
             '[{ kinds = ["oom"], channel = "#oncall" }]'
         )
+    out = []
     for i, r in enumerate(v):
         unknown = set(r) - {"kinds", "severities", "channel", "runs"}
         if unknown:
@@ -201,9 +214,52 @@ def _routes(v: object, where: str, base: Path | None) -> object:
                 f"{where}[{i}]: unknown key {sorted(unknown)[0]!r}; "
                 "valid keys: kinds, severities, runs, channel"
             )
-        if "channel" not in r:
-            raise ConfigError(f"{where}[{i}]: a route needs a channel")
-    return tuple(v)
+        if not isinstance(r.get("channel"), str) or not r["channel"]:
+            raise ConfigError(f'{where}[{i}]: a route needs a channel, e.g. channel = "#oncall"')
+        route: dict[str, Any] = {"channel": r["channel"]}
+        for key in ("kinds", "severities", "runs"):
+            value = r.get(key)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise ConfigError(f"{where}[{i}] {key}: expected a list of strings")
+            if key == "kinds":
+                bad = [k for k in value if k not in KINDS]
+                if bad:
+                    raise ConfigError(
+                        f"{where}[{i}] kinds: unknown kind {bad[0]!r}; "
+                        f"valid kinds: {', '.join(sorted(KINDS))}"
+                    )
+            route[key] = tuple(value)
+        out.append(route)
+    return tuple(out)
+
+
+def _check_slack(slack: Mapping[str, object], where: str) -> None:
+    """Combinations of [slack] keys that cannot work (the secrets are read when sending)."""
+    hook = [k for k in ("webhook_url", "webhook_url_file") if slack.get(k)]
+    if len(hook) == 2:
+        raise ConfigError(
+            f"{where}: webhook_url and webhook_url_file are both set; keep one "
+            "(webhook_url_file keeps the URL, a secret, out of the config)"
+        )
+    if hook and slack.get("token_file"):
+        raise ConfigError(
+            f"{where}: token_file and {hook[0]} are both set; a bot token (chat.postMessage, "
+            "messages updated in place) or an incoming webhook: keep one"
+        )
+    if hook and slack.get("routes"):
+        raise ConfigError(
+            f"{where} routes: an incoming webhook posts to one channel only; "
+            "use a bot token (token_file) to route incidents to several channels"
+        )
+    if not hook and not slack.get("channel"):
+        raise ConfigError(
+            f'{where}: channel is missing; set channel = "#training-alerts" (a name or an ID '
+            "such as C0123456789) for the bot to post in"
+        )
 
 
 _SCHEMA: dict[str, dict[str, _Conv]] = {
@@ -227,8 +283,8 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
     "slack": {
         "channel": _str,
         "token_file": _path,
-        "base_url": _str,
-        "webhook_url": _str,
+        "base_url": _url,
+        "webhook_url": _url,
         "webhook_url_file": _path,
         "routes": _routes,
     },
@@ -272,6 +328,8 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
             sections[""][key] = _SCHEMA[""][key](value, f"{where_file}: {key}", base)
 
     s = sections
+    if "slack" in data:
+        _check_slack(s["slack"], f"{where_file}: [slack]")
     am = s["alertmanager"]
     am_urls: tuple[str, ...] = ()
     for key in ("urls", "url"):

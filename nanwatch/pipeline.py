@@ -301,8 +301,10 @@ class Pipeline:
             while time.monotonic() < end:
                 sender.deliver_due(reader)
                 self.outbox.record(sender.drain_results())
+                # rows held by a silence wait for it to end, not for this scan
                 row = self.store.conn.execute(
-                    "SELECT count(*), min(due_at) FROM outbox WHERE delivered_at IS NULL"
+                    "SELECT count(*), min(due_at) FROM outbox WHERE delivered_at IS NULL "
+                    "AND coalesce(last_error, '') NOT LIKE 'silenced%'"
                 ).fetchone()
                 if not row[0]:
                     return 0
@@ -310,7 +312,7 @@ class Pipeline:
                 time.sleep(min(wait, 60.0))
         finally:
             reader.close()
-        return self.outbox.pending()
+        return self.outbox.pending(include_silenced=False)
 
     # -- watch -----------------------------------------------------------------------------------
 
@@ -330,7 +332,8 @@ class Pipeline:
             mode, reason = "poll", "inotify watches could not be added (see fs.inotify limits)"
         log.info("following %d path(s) by %s (%s)", len(self.roots), mode, reason)
         self.mode = mode
-        sender = Sender(str(self.store.path), self.sinks) if self.sinks else None
+        # the sender wakes this loop so results (a posted message's ts) are stored promptly
+        sender = Sender(str(self.store.path), self.sinks, notify=wake.set) if self.sinks else None
         if sender is not None:
             sender.start()
         poll = self.config.sources.poll_interval
@@ -363,11 +366,10 @@ class Pipeline:
                     continue
                 if full:
                     last_full = now
-                if sender is not None:
-                    if changes:
+                if sender is not None and self.outbox is not None:
+                    self.outbox.record(sender.drain_results())
+                    if self.outbox.enqueue_reminders() or changes:
                         sender.wake.set()
-                    if self.outbox is not None:
-                        self.outbox.record(sender.drain_results())
                 if on_tick is not None:
                     on_tick()
             # drain: whatever was written up to now is committed before exit
@@ -386,7 +388,8 @@ class Pipeline:
                     if not due:
                         break
                     time.sleep(0.05)
-                sender.stop()
+                # longer than a sink's HTTP timeout: a reply that arrives is recorded, not lost
+                sender.stop(timeout=15.0)
                 if self.outbox is not None:
                     self.outbox.record(sender.drain_results())
             self.tracker.close()

@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "check_dataset",
         "List COCO images whose ground truth will be empty after filtering.",
     ),
+    "notify-test": ("notify", "notify_test", "Send a test message to Slack; print the answers."),
+    "silence": ("notify", "silence", "Hold notifications of a run and/or kind for a while."),
+    "silences": ("notify", "silences", "List silences."),
+    "plot": ("notify", "plot", "Draw loss, grad norm, step time per rank around an incident."),
 }
 
 

@@ -26,11 +26,18 @@ from ._common import (
 
 
 def _sinks(config: Any, *, console: bool) -> list[Any]:
+    """Every sink `watch` and `scan --notify` deliver to; a [slack] that cannot work fails here."""
     from ..notify.console import ConsoleSink
 
     sinks: list[Any] = []
     if console:
         sinks.append(ConsoleSink())
+    if config.slack.enabled:
+        from ..notify.slack import SlackSink, slack_settings
+
+        settings = slack_settings(config)
+        if settings is not None:
+            sinks.append(SlackSink(settings, config.alerts))
     return sinks
 
 

@@ -1,0 +1,391 @@
+"""The Slack sink: one living message per incident.
+
+Bot mode (a token, ``chat.postMessage``/``chat.update``): the first notification of an incident
+posts its *parent* message; later ones edit it (counts, ranks, status) and add a thread reply
+only when there is news (new ranks, the origin moved, resolved, a reminder). Channel and ``ts``
+are kept in the ``messages`` table, so a restarted daemon edits the same message. Webhook mode
+(an incoming-webhook URL, no ``ts``): one post per incident, follow-ups only with news and at
+most one per ``group_interval``.
+
+Delivery policy lives in the outbox (retries, backoff, silences); this module adds what is
+Slack's own: a budget of about one call per second per channel, HTTP 429's ``Retry-After``
+(the channel is left alone that long), and ``ok:false`` errors sorted into "retry",
+"a person must fix something (retry slowly)" and "this message can never be sent".
+slack_sdk's own retry handlers are off on purpose: a handler would sleep inside the sender and
+forget its wait on restart, while the outbox keeps it in SQLite.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import http.client
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..config import AlertsConfig
+from ..errors import DeliveryError
+from ..events import parse_utc
+from ..query import incident_dict
+from .outbox import Deferred
+from .slack_api import (
+    BAD_MESSAGE,
+    FIX_RETRY,
+    QUIET,
+    WEBHOOK_FIX,
+    SlackSettings,
+    api_error,
+    retry_after,
+    slack_settings,
+)
+from .slack_text import follow_up, headline, merged_news, parent_blocks
+
+__all__ = ["PACE", "SlackSettings", "SlackSink", "slack_settings"]
+
+log = logging.getLogger("nanwatch.notify.slack")
+
+PACE = 1.0  # seconds between calls to one channel (Slack: about one message per second)
+
+
+class SlackSink:
+    """Posts, edits and threads incident messages; see the module docstring."""
+
+    name = "slack"
+    coalesce = True
+    solo_actions = ("plot",)  # the picture is its own step, retried on its own
+
+    def __init__(
+        self,
+        settings: SlackSettings,
+        alerts: AlertsConfig | None = None,
+        *,
+        timeout: float = 10.0,
+        pace: float = PACE,
+        plots: bool = True,
+    ) -> None:
+        from slack_sdk import WebClient
+        from slack_sdk.webhook import WebhookClient
+
+        self.settings = settings
+        self.alerts = alerts or AlertsConfig()
+        self.repeat_interval = self.alerts.repeat_interval
+        self.pace = pace
+        self.plots = plots
+        self.calls = 0
+        self.client: Any = None
+        self.webhook: Any = None
+        if settings.mode == "bot":
+            self.client = WebClient(
+                token=settings.token,
+                base_url=settings.base_url,
+                timeout=max(1, int(timeout)),
+                retry_handlers=[],
+            )
+        else:
+            self.webhook = WebhookClient(
+                str(settings.webhook_url),
+                timeout=max(1, int(timeout)),
+                retry_handlers=[],
+                logger=QUIET,
+            )
+        # what this process posted, until the writer has stored it in `messages`
+        self._posted: dict[int, Mapping[str, Any]] = {}
+        self._last_sent: dict[int, float] = {}
+        self._next_call: dict[str, float] = {}
+        self._blocked: dict[str, float] = {}
+        self._ids: dict[str, str] = {}
+        self._lines: dict[int, str | None] = {}
+
+    # -- policy ----------------------------------------------------------------------------------
+
+    def delay(self, action: str) -> float:
+        # updates wait for group_interval since the last message (see deliver), not a fixed delay
+        return self.alerts.group_wait if action == "open" else 0.0
+
+    def route(self, incident: Mapping[str, Any]) -> str:
+        for r in self.settings.routes:
+            if r.get("kinds") and incident.get("kind") not in r["kinds"]:
+                continue
+            if r.get("severities") and incident.get("severity") not in r["severities"]:
+                continue
+            runs = r.get("runs")
+            if runs and not any(fnmatch.fnmatchcase(incident.get("run") or "", p) for p in runs):
+                continue
+            return str(r["channel"])
+        return str(self.settings.channel or "")
+
+    # -- reading (sender thread, read-only connection) -------------------------------------------
+
+    def load(self, conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
+        inc = incident_dict(conn, incident_id)
+        if inc is None:
+            return None
+        row = conn.execute(
+            "SELECT channel, ts, updated_at FROM messages WHERE incident_id=? AND sink=?",
+            (incident_id, self.name),
+        ).fetchone()
+        inc["_message"] = {"channel": row[0], "ts": row[1], "updated_at": row[2]} if row else None
+        root = conn.execute(
+            "SELECT root_event_id FROM incidents WHERE id=?", (incident_id,)
+        ).fetchone()
+        inc["_first_line"] = self._first_line(conn, root[0] if root else None)
+        plot_pending = conn.execute(
+            "SELECT 1 FROM outbox WHERE incident_id=? AND sink=? AND action='plot' "
+            "AND delivered_at IS NULL",
+            (incident_id, self.name),
+        ).fetchone()
+        if plot_pending:
+            from .plot import metrics_for
+
+            inc["_plot_rows"] = metrics_for(conn, inc)
+        return inc
+
+    def _first_line(self, conn: sqlite3.Connection, event_id: int | None) -> str | None:
+        if event_id is None:
+            return None
+        if event_id in self._lines:
+            return self._lines[event_id]
+        row = conn.execute(
+            "SELECT s.path, s.dev, s.ino, e.offset FROM events e JOIN sources s "
+            "ON s.id = e.source_id WHERE e.id = ?",
+            (event_id,),
+        ).fetchone()
+        line = None
+        if row is not None:
+            path, dev, ino, offset = row
+            try:
+                st = os.stat(path)
+                # only the file the event came from (not a later file at the same path)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    with open(path, "rb") as f:
+                        f.seek(offset)
+                        data = f.read(4096)
+                    line = data.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
+            except OSError:
+                line = None
+        self._lines[event_id] = line or None
+        return line or None
+
+    # -- delivery --------------------------------------------------------------------------------
+
+    def deliver(
+        self, row: Mapping[str, Any], incident: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        if not incident:
+            return None  # removed by retention meanwhile
+        iid = int(row["incident_id"])
+        if row["action"] == "plot":
+            return self._attach_plot(incident)
+        rows = [row, *row.get("absorbed", [])]
+        actions = {str(r["action"]) for r in rows}
+        message: Mapping[str, Any] | None = self._posted.get(iid) or incident.get("_message")
+        if message is not None and self.client is not None:
+            # after a restart: the channel's name and ID share one budget again
+            self._learn_id(self.route(incident), str(message["channel"]))
+        if message is None:
+            opens = [float(r.get("due_at") or 0) for r in rows if r["action"] == "open"]
+            if not opens:
+                # never announced here (opened by a plain scan, or before Slack was configured)
+                return None
+            if row["action"] != "open" and min(opens) > time.time():
+                raise Deferred("the incident's first message waits for group_wait", min(opens))
+            if incident.get("status") != "open":
+                return None  # resolved or merged before it was announced: nothing to tell
+            return self._announce(incident)
+        if actions == {"open"}:
+            return None  # already posted (a replayed row)
+        immediate = any((r.get("payload") or {}).get("immediate") for r in rows)
+        if row["action"] == "update" and "resolve" not in actions and not immediate:
+            last = self._last_sent.get(iid)
+            if last is None and message.get("updated_at"):
+                last = parse_utc(message["updated_at"])
+            if last is not None and time.time() < last + self.alerts.group_interval:
+                raise Deferred(
+                    "group_interval since the last message", last + self.alerts.group_interval
+                )
+        news = merged_news(rows)
+        remember: Mapping[str, Any] | None
+        if self.client is not None:
+            remember = self._edit(incident, message, news, actions)
+        else:
+            remember = self._webhook_follow_up(incident, news, actions)
+        if remember is not None:
+            self._last_sent[iid] = time.time()
+        return remember
+
+    def _announce(self, inc: Mapping[str, Any]) -> Mapping[str, Any]:
+        iid = int(inc["id"])
+        text = headline(inc)
+        blocks = parent_blocks(inc, first_line=inc.get("_first_line"))
+        if self.client is None:
+            self._send_webhook(text, blocks)
+            message = {"channel": "webhook"}
+        else:
+            channel = self.route(inc)
+            resp = self._post(
+                channel,
+                text=text,
+                blocks=blocks,
+                metadata={"event_type": "nanwatch_incident", "event_payload": {"incident": iid}},
+            )
+            channel_id, ts = str(resp["channel"]), str(resp["ts"])
+            message = {"channel": channel_id, "ts": ts}
+            self._learn_id(channel, channel_id)
+            self._posted[iid] = message
+        self._last_sent[iid] = time.time()
+        if self.plots and self.client is not None:
+            return {"message": message, "then": ["plot"]}
+        return {"message": message}
+
+    def _edit(
+        self,
+        inc: Mapping[str, Any],
+        message: Mapping[str, Any],
+        news: list[str],
+        actions: set[str],
+    ) -> Mapping[str, Any]:
+        channel, ts = str(message["channel"]), str(message["ts"])
+        self._call(
+            channel,
+            "chat.update",
+            self.client.chat_update,
+            channel=channel,
+            ts=ts,
+            text=headline(inc),
+            blocks=parent_blocks(inc, first_line=inc.get("_first_line")),
+            link_names=False,
+        )
+        reply = follow_up(inc, news, actions)
+        if reply is not None:
+            self._post(channel, text=reply, blocks=None, thread_ts=ts)
+        return {"message": {"channel": channel, "ts": ts}}
+
+    def _post(self, channel: str, *, text: str, blocks: Any, **extra: Any) -> Any:
+        kwargs = dict(
+            channel=channel,
+            text=text,
+            blocks=blocks,
+            unfurl_links=False,
+            unfurl_media=False,
+            link_names=False,
+            **extra,
+        )
+        try:
+            return self._call(channel, "chat.postMessage", self.client.chat_postMessage, **kwargs)
+        except DeliveryError as e:
+            if blocks is None or not any(b in str(e) for b in BAD_MESSAGE):
+                raise
+            # Slack refused our blocks: the plain text still tells the story
+            log.warning("Slack refused the message's blocks (%s); sending text only", e)
+            kwargs["blocks"] = None
+            return self._call(channel, "chat.postMessage", self.client.chat_postMessage, **kwargs)
+
+    def _webhook_follow_up(
+        self, inc: Mapping[str, Any], news: list[str], actions: set[str]
+    ) -> Mapping[str, Any] | None:
+        text = follow_up(inc, news, actions, standalone=True)
+        if text is None:
+            return None  # a webhook cannot edit: counts alone are not worth a post
+        self._send_webhook(text, None)
+        return {"message": {"channel": "webhook"}}
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _learn_id(self, channel: str, channel_id: str) -> None:
+        """Pace by the channel's ID from now on, keeping the budget spent under its name."""
+        if channel in self._ids or channel == channel_id:
+            return
+        self._ids[channel] = channel_id
+        self._next_call[channel_id] = max(
+            self._next_call.get(channel_id, 0.0), self._next_call.pop(channel, 0.0)
+        )
+
+    def _gate(self, channel: str) -> str:
+        """Per-channel budget: wait for the next slot, or hold the row while Slack said 429."""
+        key = self._ids.get(channel, channel)
+        now = time.monotonic()
+        blocked = self._blocked.get(key, 0.0) - now
+        if blocked > 0:
+            raise Deferred(
+                f"Slack asked to wait before posting to {channel}", time.time() + blocked
+            )
+        wait = self._next_call.get(key, 0.0) - now
+        if wait > 0:
+            time.sleep(wait)  # at most `pace` seconds
+        self._next_call[key] = time.monotonic() + self.pace
+        return key
+
+    def _call(self, where: str, method: str, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+        from slack_sdk.errors import SlackApiError, SlackClientError
+
+        key = self._gate(where)
+        self.calls += 1
+        try:
+            return fn(**kwargs)
+        except SlackApiError as e:
+            err = api_error(e, method, where)
+            if err.retry_after is not None:
+                self._blocked[key] = time.monotonic() + err.retry_after
+            raise err from None
+        except (OSError, http.client.HTTPException, SlackClientError) as e:
+            raise DeliveryError(
+                f"{method}: cannot reach Slack at {self.settings.base_url} ({e})"
+            ) from None
+
+    def _send_webhook(self, text: str, blocks: Any) -> None:
+        key = self._gate("webhook")
+        self.calls += 1
+        try:
+            resp = self.webhook.send(
+                text=text, blocks=blocks, unfurl_links=False, unfurl_media=False
+            )
+        except (OSError, http.client.HTTPException) as e:
+            raise DeliveryError(f"webhook: cannot reach the incoming webhook ({e})") from None
+        status, body = int(resp.status_code), str(resp.body or "")
+        if status == 200:
+            return
+        if status == 429:
+            wait = retry_after(resp.headers)
+            self._blocked[key] = time.monotonic() + wait
+            raise DeliveryError(f"webhook: rate limited, Retry-After {wait:g}s", retry_after=wait)
+        if status >= 500:
+            raise DeliveryError(f"webhook: HTTP {status} {body}")
+        if status in WEBHOOK_FIX:
+            raise DeliveryError(
+                f"webhook: HTTP {status} {body}: the webhook was removed or its channel archived; "
+                "create a new incoming webhook and update [slack] webhook_url_file",
+                retry_after=FIX_RETRY,
+            )
+        if blocks is not None:
+            log.warning("the webhook refused the message (%s %s); sending text only", status, body)
+            return self._send_webhook(text, None)
+        raise DeliveryError(f"webhook: HTTP {status} {body}", permanent=True)
+
+    def _attach_plot(self, inc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The incident's plot in its thread (files_upload_v2: get URL, upload, complete)."""
+        message = self._posted.get(int(inc["id"])) or inc.get("_message")
+        rows = inc.get("_plot_rows")
+        if not message or not message.get("ts") or not rows:
+            return None
+        from .plot import PlotUnavailable, render_png
+
+        try:
+            png = render_png(inc, rows)
+        except PlotUnavailable as e:
+            log.info("incident %s: no plot (%s)", inc["id"], e)
+            return None
+        channel = str(message["channel"])
+        self._call(
+            channel,
+            "files.upload",
+            self.client.files_upload_v2,
+            channel=channel,
+            thread_ts=str(message["ts"]),
+            file=png,
+            filename=f"nanwatch-incident-{inc['id']}.png",
+            title=f"Incident #{inc['id']}: loss, grad norm and step time per rank",
+        )
+        return None

@@ -1,0 +1,208 @@
+"""Slack end to end: `nanwatch watch` / `scan --notify` as real processes, a real HTTP server.
+
+These are the acceptance checks: a NaN storm gives one parent message (429 honoured, token
+sent, log text escaped); `scan --notify` posts one parent per incident; an outage with a
+restart of nanwatch in the middle delivers every incident's message exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nanwatch.simulate import TrainingRun
+
+from .conftest import NANWATCH, nanwatch, wait_for
+from .slack_server import TOKEN, SlackServer
+from .test_sources import nan_line
+
+pytestmark = pytest.mark.slow
+
+MENTIONS = " <!channel> <!here> <@U024BE7LH> <https://evil.example/x|click>"
+RAW = ("<!channel>", "<!here>", "<@U024BE7LH>", "<https://evil")
+
+
+@pytest.fixture
+def slack() -> Iterator[SlackServer]:
+    with SlackServer() as srv:
+        yield srv
+
+
+def config(tmp: Path, srv: SlackServer, **alerts: str) -> Path:
+    token = tmp / "slack-token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    timers = {"group_wait": "1s", "group_interval": "2s", **alerts}
+    cfg = tmp / "nanwatch.toml"
+    cfg.write_text(
+        f'[slack]\nchannel = "#training-alerts"\ntoken_file = "{token}"\n'
+        f'base_url = "{srv.base_url}"\n[alerts]\n'
+        + "".join(f'{k} = "{v}"\n' for k, v in timers.items())
+    )
+    return cfg
+
+
+class Watch:
+    def __init__(self, cfg: Path, db: Path, path: Path, log: Path) -> None:
+        out = log.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                [*NANWATCH, "watch", "--quiet", "--config", str(cfg), "--db", str(db), str(path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            out.close()
+        self.log = log
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(30)
+        assert code == 0, self.log.read_text()
+
+
+def outbox(db: Path) -> list[tuple[int, str, int, str | None, str | None]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return list(
+            conn.execute(
+                "SELECT incident_id, action, attempts, delivered_at, last_error FROM outbox"
+            )
+        )
+    except sqlite3.Error:
+        return []
+    finally:
+        conn.close()
+
+
+def paced(srv: SlackServer) -> bool:
+    """About one call per second to the channel (all tests post to one channel)."""
+    gated = ("chat.postMessage", "chat.update", "files.getUploadURLExternal")
+    times = sorted(c.at for c in srv.calls if c.method in gated)
+    return all(b - a >= 0.9 for a, b in itertools.pairwise(times))
+
+
+def sent_text(srv: SlackServer) -> str:
+    with srv.lock:
+        return "\n".join(json.dumps(c.params, ensure_ascii=False) for c in srv.calls)
+
+
+def test_watch_nan_storm_one_parent_429_token_escaped(slack: SlackServer, tmp_path: Path) -> None:
+    slack.fail("chat.postMessage", status=429, retry_after=3)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "train.log"
+    log.write_text("".join(nan_line(i).replace("loss: nan", "loss: 0.5") for i in range(1, 6)))
+    db = tmp_path / "nw.db"
+    watch = Watch(config(tmp_path, slack), db, logs, tmp_path / "watch.out")
+    try:
+        time.sleep(0.5)  # let it settle on the healthy lines first
+        with log.open("a", encoding="utf-8") as f:  # 16 NaN lines in 3 seconds
+            for i in range(6, 22):
+                f.write(nan_line(i).rstrip("\n") + MENTIONS + "\n")
+                f.flush()
+                time.sleep(3 / 16)
+        wait_for(lambda: len(slack.parents()) == 1, timeout=30, what="the parent message")
+        wait_for(
+            lambda: outbox(db) and all(r[3] for r in outbox(db)), timeout=30, what="empty outbox"
+        )
+        time.sleep(2.5)  # one more group_interval: nothing else should come
+    finally:
+        watch.stop()
+    assert len(slack.parents()) == 1
+    posts = slack.calls_to("chat.postMessage")
+    assert posts[0].status == 429 and posts[1].status == 200
+    assert posts[1].at - posts[0].at >= 3  # not before Retry-After
+    assert len(posts) - 2 + len(slack.calls_to("chat.update")) <= 3  # a few follow-ups at most
+    assert all(
+        c.headers.get("Authorization") == f"Bearer {TOKEN}"
+        for c in slack.calls
+        if not c.method.startswith("upload/")
+    )
+    text = sent_text(slack)
+    assert "&lt;!channel&gt;" in text  # the log line did reach Slack, escaped
+    for raw in RAW:
+        assert raw not in text
+    assert TOKEN not in watch.log.read_text()
+
+
+def test_scan_notify_posts_one_parent_per_incident(slack: SlackServer, tmp_path: Path) -> None:
+    wd = tmp_path / "work_dirs" / "dino"
+    TrainingRun(wd, timestamp="20261130_101500", ranks=4, nan_rank=1).write()
+    TrainingRun(wd, timestamp="20261201_090000", ranks=4, nan_rank=3).write()
+    TrainingRun(wd, timestamp="20261202_080000", ranks=2, nan_rank=0).write()
+    oom = wd / "20261202_080000" / "rank1.log"
+    with oom.open("a") as f:
+        f.write(
+            "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.11 GiB "
+            "total capacity; 70.00 GiB already allocated; 1.00 GiB free; 76.00 GiB reserved in "
+            "total by PyTorch)\n"
+        )
+    db = tmp_path / "nw.db"
+    # a group_wait of an hour: scan --notify does not wait for it
+    cfg = config(tmp_path, slack, group_wait="1h")
+    out = nanwatch("scan", "--notify", "--json", "--config", str(cfg), "--db", str(db), str(wd))
+    summary = json.loads(out.stdout)
+    incidents = summary["incidents"]
+    assert len(incidents) == 4 and summary["undelivered"] == 0
+    parents = slack.parents()
+    assert sorted(p.text.split(" ")[1] for p in parents) == sorted(f"#{i['id']}" for i in incidents)
+    assert paced(slack)  # the per-channel budget
+    # scanning again finds nothing new and posts nothing
+    nanwatch("scan", "--notify", "--config", str(cfg), "--db", str(db), str(wd))
+    assert len(slack.parents()) == 4
+
+
+def test_outage_and_restart_deliver_every_message_exactly_once(
+    slack: SlackServer, tmp_path: Path
+) -> None:
+    wd = tmp_path / "work_dirs" / "dino"
+    a = TrainingRun(wd, timestamp="20261130_101500", ranks=2, nan_rank=1)
+    a.write()
+    db = tmp_path / "nw.db"
+    cfg = config(tmp_path, slack, group_interval="1s")
+    out = tmp_path / "watch.out"
+    watch = Watch(cfg, db, wd, out)
+    try:
+        wait_for(lambda: len(slack.parents()) == 1, timeout=30, what="incident A's message")
+        (parent_a,) = slack.parents()
+        slack.stop()  # Slack goes away
+        # meanwhile: incident A spreads to a new rank, and run B goes wrong
+        (a.launch_dir / "rank2.log").write_text(nan_line(1))
+        TrainingRun(wd, timestamp="20261201_090000", ranks=2, nan_rank=0).write()
+        wait_for(
+            lambda: sum(1 for r in outbox(db) if r[2] >= 1 and not r[3]) >= 2,
+            timeout=30,
+            what="failed delivery attempts during the outage",
+        )
+        watch.stop()  # nanwatch restarts while Slack is still down
+        watch = Watch(cfg, db, wd, out)
+        time.sleep(1.0)
+        slack.start()  # Slack is back, on the same address
+        wait_for(
+            lambda: len(slack.parents()) == 2 and bool(slack.replies(parent_a.ts)),
+            timeout=60,
+            what="the held messages",
+        )
+        wait_for(lambda: all(r[3] for r in outbox(db)), timeout=30, what="an empty outbox")
+        time.sleep(1.5)
+    finally:
+        watch.stop()
+    parents = slack.parents()
+    assert len(parents) == 2  # A once (edited, not re-posted), B once
+    assert [p.ts for p in parents].count(parent_a.ts) == 1
+    assert any("ranks 2 affected" in r.text for r in slack.replies(parent_a.ts))
+    assert parent_a.edits and "0-2" in json.dumps(parent_a.edits[-1]["blocks"])
+    (b,) = [p for p in parents if p.ts != parent_a.ts]
+    assert "20261201_090000" in b.text
+    assert paced(slack)  # also right after the restart
+    log = out.read_text()
+    assert "cannot reach Slack" in log and TOKEN not in log
