@@ -115,3 +115,34 @@ def test_sigterm_exits_zero_quickly(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert sys.executable
+
+
+def test_one_writer_per_database_but_silences_still_work(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text(nan_line(1))
+    db = tmp_path / "nw.db"
+    proc = start_watch(db, logs, tmp_path / "out")
+    try:
+        wait_for(lambda: event_count(db) == 1, timeout=30, what="the first event")
+        second = subprocess.run(
+            [*NANWATCH, "scan", "--db", str(db), str(logs)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 1
+        assert f"pid {proc.pid}" in second.stderr and "another nanwatch process" in second.stderr
+        silence = subprocess.run(
+            [*NANWATCH, "silence", "--db", str(db), "--kind", "nan", "--for", "2h"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert silence.returncode == 0, silence.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -111,7 +111,7 @@ def silence(
     if seconds <= 0:
         raise click.UsageError("--for: must be longer than zero")
     _, db_path = resolve(config_path, db)
-    store = Store.open(db_path)
+    store = Store.open(db_path, exclusive=False)  # works while `watch` runs
     try:
         if run is not None and store.run_by_name(run) is None:
             click.echo(

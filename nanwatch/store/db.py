@@ -103,7 +103,12 @@ class Store:
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
+    def open(
+        cls, path: str | os.PathLike[str], *, readonly: bool = False, exclusive: bool = True
+    ) -> Store:
+        """Open (and migrate) the database. ``exclusive`` takes the writer lock that keeps a
+        second daemon or scan out; a one-row write from the CLI (a silence) passes False and
+        relies on SQLite's own locking for its single transaction."""
         p = Path(path)
         if readonly:
             if not p.exists():
@@ -138,7 +143,8 @@ class Store:
                 f"{p.parent}: cannot create the database folder ({e.strerror})"
             ) from None
         lock = WriterLock(p)
-        lock.acquire()
+        if exclusive:
+            lock.acquire()
         try:
             conn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
