@@ -36,6 +36,7 @@ log = logging.getLogger("nanwatch")
 BATCH_BYTES = 32 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
+PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
 
 
 @dataclass
@@ -346,6 +347,8 @@ class Pipeline:
                 timeout = poll if mode == "poll" else SAFETY_POLL
                 if any(r.status == "pending" for r in self.tracker.records.values()):
                     timeout = min(timeout, 1.0)
+                if self.paused is not None:
+                    timeout = min(timeout, PAUSE_RETRY)
                 deadline = time.monotonic() + timeout
                 while not stop.is_set() and not wake.is_set():
                     # short slices so an external `stop` is seen promptly; no work is done here
@@ -358,7 +361,12 @@ class Pipeline:
                     break
                 dirty, structural = watcher.take()
                 now = time.monotonic()
-                full = mode == "poll" or structural or now - last_full >= SAFETY_POLL
+                full = (
+                    mode == "poll"
+                    or structural
+                    or self.paused is not None  # what the failed pass read must be read again
+                    or now - last_full >= SAFETY_POLL
+                )
                 if structural:
                     watcher.rescan_roots()
                 changes = self._safe_step(stop, discover=full, only=None if full else dirty)
@@ -400,12 +408,9 @@ class Pipeline:
         try:
             changes = self.step(**kw)
         except StoreError as e:
-            pause = max(self.config.sources.poll_interval, 5.0)
             if self.paused != str(e):
-                log.error("%s; paused: nothing read is lost, retrying every %.0f s", e, pause)
+                log.error("%s; paused: nothing read is lost, retrying every %.0f s", e, PAUSE_RETRY)
             self.paused = str(e)
-            if stop is not None:
-                stop.wait(pause)
             return None
         if self.paused is not None:
             log.warning("the database is writable again; resumed")

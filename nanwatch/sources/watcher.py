@@ -38,16 +38,16 @@ NETWORK_FS = {
 }
 
 
-def filesystem_type(path: str) -> str | None:
+def filesystem_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:
     """The type of the mount holding ``path`` (from /proc/self/mounts), or None."""
     try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-            mounts = [line.split() for line in f]
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            table = [line.split() for line in f]
     except OSError:
         return None
     real = os.path.realpath(path)
     best, best_len = None, -1
-    for parts in mounts:
+    for parts in table:
         if len(parts) < 3:
             continue
         mnt = parts[1].replace("\\040", " ")
@@ -56,13 +56,15 @@ def filesystem_type(path: str) -> str | None:
     return best
 
 
-def choose_mode(mode: str, roots: Iterable[Root]) -> tuple[str, str]:
+def choose_mode(
+    mode: str, roots: Iterable[Root], mounts: str = "/proc/self/mounts"
+) -> tuple[str, str]:
     """('inotify' | 'poll', reason)."""
     if mode in ("inotify", "poll"):
         return mode, f"[sources] mode = {mode!r}"
     for r in roots:
         base = r.base if os.path.exists(r.base) else os.path.dirname(r.base)
-        fs = filesystem_type(base)
+        fs = filesystem_type(base, mounts)
         if fs in NETWORK_FS:
             return "poll", f"{r.spec} is on a {fs} mount, where inotify misses remote writes"
     return "inotify", "local filesystems"
@@ -77,6 +79,45 @@ def _identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def inotify_capacity(bases: Iterable[str]) -> str | None:
+    """Can every folder below ``bases`` get an inotify watch? None if so, else why not.
+
+    watchdog skips subfolders it cannot watch without saying so, so the budget is probed on a
+    scratch inotify instance first (one watch per folder, released at once)."""
+    import ctypes
+    import ctypes.util
+    import errno
+
+    name = ctypes.util.find_library("c")
+    if not name:  # pragma: no cover
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        return f"inotify unavailable ({os.strerror(err)}; see fs.inotify.max_user_instances)"
+    try:
+        count = 0
+        for base in bases:
+            if not os.path.isdir(base):
+                continue
+            for dirpath, dirnames, _ in os.walk(base):
+                dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+                wd = libc.inotify_add_watch(fd, os.fsencode(dirpath), 0x00000002)  # IN_MODIFY
+                if wd < 0:
+                    err = ctypes.get_errno()
+                    if err in (errno.ENOSPC, errno.EMFILE, errno.ENOMEM):
+                        return (
+                            f"{count + 1} folders need inotify watches but the limit is reached "
+                            f"({os.strerror(err)}; raise fs.inotify.max_user_watches)"
+                        )
+                    continue  # a folder that vanished or cannot be read: not a budget problem
+                count += 1
+        return None
+    finally:
+        os.close(fd)
 
 
 class Watcher:
@@ -97,6 +138,10 @@ class Watcher:
             from watchdog.events import FileSystemEventHandler
             from watchdog.observers import Observer
         except ImportError:  # pragma: no cover
+            return False
+        problem = inotify_capacity([r.base for r in self.roots if r.kind != "file"])
+        if problem:
+            log.warning("%s; polling instead", problem)
             return False
 
         outer = self

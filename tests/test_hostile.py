@@ -1,0 +1,326 @@
+"""Hostile and odd input: the daemon survives all of it in one run and loses nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nanwatch.sources.discover import make_roots
+from nanwatch.sources.watcher import choose_mode
+
+from .conftest import NANWATCH, wait_for
+from .test_kill import event_count
+from .test_sources import nan_line
+
+pytestmark = pytest.mark.slow
+ROOT = os.geteuid() == 0
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A folder an unprivileged user can use (pytest's tmp_path is private to root)."""
+    d = Path(tempfile.mkdtemp(prefix="nw-hostile-"))
+    d.chmod(0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def unprivileged() -> list[str]:
+    """A command prefix that runs without the right to read others' files: a user namespace
+    mapped to an ordinary uid (root would read a chmod 000 file)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("unshare") is None:
+        return []
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-user=1000", "--map-group=1000", "true"],
+        capture_output=True,
+        timeout=30,
+    )
+    return (
+        ["unshare", "--user", "--map-user=1000", "--map-group=1000"]
+        if probe.returncode == 0
+        else []
+    )
+
+
+def iters(db: Path) -> dict[int, int]:
+    conn = sqlite3.connect(db)
+    try:
+        return dict(conn.execute("SELECT iter, count(*) FROM events GROUP BY iter").fetchall())
+    finally:
+        conn.close()
+
+
+def peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_daemon_survives_everything_in_one_run(shared_dir: Path) -> None:
+    logs = shared_dir / "logs"
+    logs.mkdir()
+    logs.chmod(0o777)
+    db = shared_dir / "state" / "nw.db"
+    db.parent.mkdir()
+    db.parent.chmod(0o777)
+    out = (shared_dir / "watch.out").open("wb")
+    prefix = unprivileged()
+    can_deny = bool(prefix) or not ROOT
+    proc = subprocess.Popen(
+        [*prefix, *NANWATCH, "watch", "--quiet", "-v", "--db", str(db), str(logs)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(db.exists, timeout=30, what="the database")
+        # 1: a 50 MB line without a newline, then the rest of the file
+        with (logs / "rank1.log").open("wb") as f:
+            f.write(nan_line(1).encode())
+            chunk = b"x" * (1 << 20)
+            for _ in range(50):
+                f.write(chunk)
+                f.flush()
+            f.write(b"\n" + nan_line(2).encode())
+        # 2-5: NUL bytes, invalid UTF-8, GBK, CRLF
+        (logs / "rank2.log").write_bytes(
+            b"\x00\x00 boot \x00\n"
+            + nan_line(3).encode().replace(b"INFO", b"INFO\x00")
+            + b"\xff\xfe\xfa invalid \x80\n"
+            + nan_line(4).encode()
+            + "训练第 5 轮 ".encode("gbk")
+            + nan_line(5).encode()
+            + nan_line(6).encode().replace(b"\n", b"\r\n")
+        )
+        # 6: \r progress bars glued into one line
+        bars = "".join(
+            f"Epoch 1: {p}%|####      | {p}/100 [00:0{p % 10}<00:10]\r" for p in range(10, 60, 10)
+        )
+        (logs / "rank3.log").write_text(bars + nan_line(7))
+        # 7: files that vanish while read (written, then deleted at once, repeatedly)
+        for k in range(30):
+            p = logs / f"tmp{k}.log"
+            p.write_text(nan_line(1000 + k) * 50)
+            p.unlink()
+        # 8: a file nanwatch may not read
+        secret = logs / "rank4.log"
+        secret.write_text(nan_line(8))
+        secret.chmod(0o000)
+        (logs / "rank5.log").write_text(nan_line(9))
+        wait_for(
+            lambda: {2, 3, 4, 5, 6, 7, 9} <= set(iters(db)),
+            timeout=60,
+            what="the events after the hostile input",
+        )
+        assert proc.poll() is None, "the daemon died"
+        peak = peak_rss_kib(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    got = iters(db)
+    assert all(n == 1 for n in got.values()), got
+    for i in (1, 2, 3, 4, 5, 6, 7, 9):
+        assert got.get(i) == 1, f"iteration {i}: {got.get(i)}"
+    assert all(1000 <= i < 1030 for i in set(got) - {1, 2, 3, 4, 5, 6, 7, 8, 9})
+    if can_deny:
+        assert 8 not in got  # unreadable for the daemon's user
+        assert "permission denied" in (shared_dir / "watch.out").read_text()
+    conn = sqlite3.connect(db)
+    cut = conn.execute("SELECT lines_cut FROM sources WHERE path LIKE '%rank1.log'").fetchone()
+    conn.close()
+    assert cut == (1,)
+    assert peak < 300_000, f"peak RSS {peak} KiB while reading a 50 MB line"
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_inotify_limit_falls_back_to_polling(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    for k in range(40):
+        (logs / f"node{k}").mkdir(parents=True)
+    db = tmp_path / "nw.db"
+    cfg = tmp_path / "nw.toml"
+    cfg.write_text("[sources]\npoll_interval = 0.5\n")
+    script = (
+        "echo 8 > /proc/sys/user/max_inotify_watches && exec "
+        + " ".join(NANWATCH)
+        + f" watch -v --quiet --config {cfg} --db {db} {logs}"
+    )
+    out = (tmp_path / "watch.out").open("wb")
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "sh", "-c", script],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        try:
+            wait_for(
+                lambda: "polling" in (tmp_path / "watch.out").read_text(),
+                timeout=30,
+                what="the fallback to polling",
+            )
+        except AssertionError:
+            if "Operation not permitted" in (tmp_path / "watch.out").read_text():
+                pytest.skip("user namespaces are not allowed here")
+            raise
+        (logs / "node33" / "rank33.log").write_text(nan_line(33))
+        wait_for(lambda: event_count(db) == 1, timeout=30, what="the event by polling")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    text = (tmp_path / "watch.out").read_text()
+    assert "inotify" in text and "poll" in text
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_a_full_disk_pauses_the_daemon_and_loses_nothing(tmp_path: Path) -> None:
+    logs, ctl, keep = tmp_path / "logs", tmp_path / "ctl", tmp_path / "keep"
+    for d in (logs, ctl, keep):
+        d.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    nw = " ".join(NANWATCH)
+    script = f"""
+set -e
+mount -t tmpfs -o size=4000k tmpfs {mnt}
+{nw} watch -v --quiet --db {mnt}/nw.db {logs} &
+pid=$!
+while [ ! -e {ctl}/fill ]; do sleep 0.05; done
+head -c 8000k /dev/zero > {mnt}/ballast 2>/dev/null || true
+touch {ctl}/filled
+while [ ! -e {ctl}/release ]; do sleep 0.05; done
+rm -f {mnt}/ballast
+while [ ! -e {ctl}/stop ]; do sleep 0.05; done
+kill -TERM $pid
+wait $pid && echo 0 > {ctl}/exit || echo $? > {ctl}/exit
+cp {mnt}/nw.db* {keep}/
+"""
+    out = (tmp_path / "out").open("wb")
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(
+            lambda: (tmp_path / "out").read_text().count("watching") > 0 or proc.poll() is not None,
+            timeout=30,
+            what="the daemon",
+        )
+        if proc.poll() is not None:
+            pytest.skip("cannot mount a tmpfs here: " + (tmp_path / "out").read_text()[-300:])
+        (logs / "rank0.log").write_text("".join(nan_line(i) for i in range(1, 11)))
+        time.sleep(1.5)
+        (ctl / "fill").touch()
+        wait_for(lambda: (ctl / "filled").exists(), timeout=30, what="the disk to fill")
+        with (logs / "rank0.log").open("a") as f:
+            for i in range(11, 1511):  # enough to need more pages than are left
+                f.write(nan_line(i))
+        wait_for(
+            lambda: "paused" in (tmp_path / "out").read_text(),
+            timeout=60,
+            what="the daemon to say it paused",
+        )
+        assert proc.poll() is None
+        (ctl / "release").touch()
+        wait_for(
+            lambda: "resumed" in (tmp_path / "out").read_text(),
+            timeout=60,
+            what="the daemon to resume",
+        )
+        time.sleep(2)
+        (ctl / "stop").touch()
+        proc.wait(60)
+    finally:
+        (ctl / "release").touch()
+        (ctl / "stop").touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    assert (ctl / "exit").read_text().strip() == "0", (tmp_path / "out").read_text()[-2000:]
+    got = iters(keep / "nw.db")
+    assert set(got) == set(range(1, 1511)) and all(n == 1 for n in got.values())
+
+
+def test_poll_mode_catches_writes(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    db = tmp_path / "nw.db"
+    cfg = tmp_path / "nw.toml"
+    cfg.write_text('[sources]\nmode = "poll"\npoll_interval = "0.3s"\n')
+    out = (tmp_path / "out").open("wb")
+    proc = subprocess.Popen(
+        [*NANWATCH, "watch", "-v", "--quiet", "--config", str(cfg), "--db", str(db), str(logs)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(db.exists, timeout=30, what="the database")
+        (logs / "rank0.log").write_text(nan_line(1))
+        wait_for(lambda: event_count(db) == 1, timeout=30, what="the event by polling")
+        with (logs / "rank0.log").open("a") as f:
+            f.write(nan_line(2))
+        wait_for(lambda: event_count(db) == 2, timeout=30, what="the second event")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    assert "by poll" in (tmp_path / "out").read_text()
+
+
+def test_network_filesystems_are_polled(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "sysfs /sys sysfs rw 0 0\n"
+        f"10.0.0.5:/export {tmp_path} nfs4 rw,relatime 0 0\n"
+        "/dev/vda / ext4 rw 0 0\n"
+    )
+    (tmp_path / "logs").mkdir()
+    mode, why = choose_mode("auto", make_roots([str(tmp_path / "logs")]), str(mounts))
+    assert mode == "poll" and "nfs4" in why
+    mode, _ = choose_mode("auto", make_roots([str(tmp_path / "logs")]), "/nonexistent")
+    assert mode == "inotify"
+    assert sys.platform.startswith("linux")
+
+
+def test_a_damaged_database_gives_a_clear_error_and_recovery(tmp_path: Path) -> None:
+    db = tmp_path / "nw.db"
+    db.write_bytes(b"this is not a database" * 100)
+    (tmp_path / "logs").mkdir()
+    r = subprocess.run(
+        [*NANWATCH, "watch", "--db", str(db), str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "damaged" in r.stderr and ".recover" in r.stderr and str(db) in r.stderr
+    r = subprocess.run(
+        [*NANWATCH, "incidents", "--db", str(db)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and "damaged" in r.stderr
+    assert threading.active_count() >= 1
