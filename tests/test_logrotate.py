@@ -36,7 +36,7 @@ class Writer(threading.Thread):
         self.error: BaseException | None = None
 
     def _open(self) -> list[object]:
-        return [open(self.logs / f"rank{r}.log", "a", buffering=1) for r in range(self.ranks)]  # noqa: SIM115
+        return [open(self.logs / f"rank{r}.log", "a", buffering=1) for r in range(self.ranks)]
 
     def run(self) -> None:
         handles = self._open()

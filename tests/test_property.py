@@ -112,10 +112,12 @@ class Tailing(RuleBasedStateMachine):
         self._read_all()
 
     def _shift(self, f: str) -> None:
-        for k in range(8, 0, -1):
-            src = self.logs / f"{f}.{k}"
-            if src.exists():
-                os.rename(src, self.logs / f"{f}.{k + 1}")
+        # keeps every rotated copy (no `rotate N` deleting the oldest): deleting is a rule of its own
+        top = 0
+        while (self.logs / f"{f}.{top + 1}").exists():
+            top += 1
+        for k in range(top, 0, -1):
+            os.rename(self.logs / f"{f}.{k}", self.logs / f"{f}.{k + 1}")
 
     @rule(f=st.sampled_from(FILES))
     def rotate_rename(self, f: str) -> None:
