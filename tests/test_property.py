@@ -112,7 +112,7 @@ class Tailing(RuleBasedStateMachine):
         self._read_all()
 
     def _shift(self, f: str) -> None:
-        # keeps every rotated copy (no `rotate N` deleting the oldest): deleting is a rule of its own
+        # keep every rotated copy (no `rotate N` dropping the oldest): deleting is its own rule
         top = 0
         while (self.logs / f"{f}.{top + 1}").exists():
             top += 1
