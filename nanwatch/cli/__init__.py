@@ -19,6 +19,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "events": ("browse", "events", "List detected events, oldest first."),
     "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
     "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),
+    "shapes": (
+        "shapes",
+        "shapes",
+        "List a checkpoint's parameters of a shape, with their modules.",
+    ),
 }
 
 
