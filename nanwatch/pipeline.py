@@ -169,7 +169,8 @@ class Pipeline:
         batch: list[_Pending] = []
         size = 0
         nevents = 0
-        for rec in list(self.tracker.records.values()):
+        # monitor CSVs in step order (one file per step range): the first NaN steps come first
+        for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order):
             if wanted is not None and rec.path not in wanted:
                 continue
             # monitor output has its own readers; everything else goes through the rule packs

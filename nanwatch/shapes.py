@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from .detect.msprobe.names import param_key, suffix_matches
 from .errors import SourceError
+from .sources.monitor import RANK_DIR, V2_RANK_DIR
 
 log = logging.getLogger("nanwatch.shapes")
 
@@ -464,6 +465,9 @@ def cached_index(path: str) -> ShapeIndex | None:
     return _INDEX_CACHE[key]
 
 
+_NO_CHECKPOINTS = frozenset(("anomaly_detected", "module_struct", "__pycache__", "node_modules"))
+
+
 def _walk_checkpoints(folder: str, depth: int = 4, limit: int = 20000) -> Iterator[str]:
     stack = [(folder, 0)]
     seen = 0
@@ -479,7 +483,10 @@ def _walk_checkpoints(folder: str, depth: int = 4, limit: int = 20000) -> Iterat
                 return
             try:
                 if e.is_dir(follow_symlinks=False):
-                    if level < depth and not e.name.startswith("."):
+                    # monitor output holds thousands of CSVs and never a checkpoint
+                    skip = e.name.startswith(".") or e.name in _NO_CHECKPOINTS
+                    skip = skip or bool(RANK_DIR.match(e.name) or V2_RANK_DIR.match(e.name))
+                    if level < depth and not skip:
                         stack.append((e.path, level + 1))
                 elif e.name.endswith(CHECKPOINT_EXTS) and "optim" not in e.name:
                     yield e.path

@@ -83,6 +83,14 @@ class MonitorReader:
         mf = classify(path)
         return None if mf is None else mf.kind
 
+    @staticmethod
+    def read_order(rec: Any) -> int:
+        """Sort key for reading: text and dumps first (-1), monitor CSVs by their first step."""
+        mf = classify(rec.path)
+        if mf is None or mf.kind != "csv" or mf.start is None:
+            return -1
+        return mf.start
+
     def restore(self, path: str, state: StreamState) -> None:
         """Seed the family counts from a stream known from an earlier run of nanwatch."""
         ms = state.msprobe or {}

@@ -75,9 +75,12 @@ class Volume:
             n = fam.n
         elif step == fam.last:
             n = fam.n
+        elif fam.first is None or step <= fam.first:
+            # an earlier step showing up late (a part file, a rewrite) that is the first one
+            fam.first = step
+            n = 1
         else:
-            # an earlier step showing up late (a part file, a rewrite): full if it is the first
-            n = 1 if fam.first is None or step <= fam.first else FULL_STEPS + 1
+            n = FULL_STEPS + 1
         if n <= FULL_STEPS:
             return ("full" if rows_this_step < FULL_ROWS else "drop"), n
         if rows_this_step == 0 and sampled(n):
