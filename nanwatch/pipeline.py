@@ -194,6 +194,8 @@ class Pipeline:
                     st = copy.copy(r.state)
                 work = copy.copy(st) if chunk.final else st
                 events, metrics = feed(chunk.data, chunk.start, work, r.path)
+                if route is None and events:
+                    events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
                 if not chunk.final:
                     states[id(r)] = st
                 batch.append(_Pending(chunk, events, metrics, work))

@@ -205,6 +205,41 @@ def test_rows_placeholder_real_finite_inf() -> None:
     assert verdict == "bad"
 
 
+def test_empty_tensors_and_infinities() -> None:
+    lay = layout(HEADER, 1)
+    assert lay is not None
+    # msprobe writes NaN min/max/mean for a tensor with no elements: not a NaN, but a clue
+    verdict, f = parse_row(
+        lay, '0,module.label_embedding.input,7,0,0.0,nan,nan,nan,0,nan,"[0]",torch.int64', "actv"
+    )
+    assert verdict == "empty" and f is not None and (f.value, f.shape) == ("empty", [0])
+    # +inf and -inf: the mean is NaN, the NaN count says there is none
+    verdict, f = parse_row(
+        lay, '0,fc.output,7,0,inf,-inf,inf,nan,0,0.0,"[3]",torch.float32', "actv"
+    )
+    assert verdict == "nonfinite" and f is not None and f.value == "inf"
+    verdict, f = parse_row(
+        lay, '0,fc.output,7,0,inf,-inf,-1.0,-inf,0,0.0,"[3]",torch.float32', "actv"
+    )
+    assert f is not None and f.value == "-inf"
+
+
+def test_alert_lines_are_bounded_per_rank_and_tag(tmp_path: Path) -> None:
+    esc = "\x1b"
+    lines = [
+        f"2026-12-01 10:00:09 (3120) [rank 2] [INFO] {esc}[93m> Rule AnomalyNan reports anomaly "
+        f"signal in ('0:module.blocks.{i}.weight/rank2/post_grad', 'norm') at step 5, current "
+        f"value nan, history mean 0.5.{esc}[0m\n"
+        for i in range(600)
+    ]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "stdout.log").write_text("".join(lines))
+    scan(tmp_path / "db", tmp_path / "logs")
+    evs = events(tmp_path / "db")
+    assert len(evs) == 512 and {e["tag"] for e in evs} == {"grad_reduced"}
+    assert evs[0]["tensor"] == "module.blocks.0.weight"
+
+
 def test_old_layout_without_shape_column() -> None:
     lay = layout(("vpp_stage", "name", "step", "norm", "min", "max", "mean"), 1)
     assert lay is not None
@@ -248,7 +283,9 @@ def test_part_files_take_the_header_of_their_first_part(tmp_path: Path) -> None:
         "embedding.output",
     ]
     assert all(e["tag"] == "actv_grad" and e["step"] == 5 and e["rank"] == 0 for e in evs)
-    assert evs[0]["shape"] == [4, 4, 8] and evs[0]["index"] == 4 and evs[0]["after_finite"] is True
+    part = FORMATS / "v1_part" / "Dec01_10-00-00-rank0-0a1b2c3d" / "actv_grad_5-5_part_1.csv"
+    assert evs[0]["offset"] == part.read_bytes().index(b"0,layers.1.input,")
+    assert evs[0]["shape"] == [4, 4, 8] and evs[0]["after_finite"] is True
 
 
 def test_old_layout_and_alert_lines_and_dumps(tmp_path: Path) -> None:

@@ -166,6 +166,29 @@ def test_birth_inside_a_backward_on_one_rank_of_four(tmp_path: Path) -> None:
     assert inc["ranks"] == [0, 1, 2, 3]
 
 
+def test_an_empty_input_at_the_origin_is_noted_not_a_nan(tmp_path: Path) -> None:
+    t = Tree(tmp_path / "run", 2)
+    t.step(11, {r: {"grad_reduced": {"embedding.weight"}} for r in (0, 1)})
+    t.write(1, "grad_unreduced", 11, {"embedding.weight"})
+    empty = (
+        "0,module.dn_query_generator.label_embedding.input,11,0,"
+        '0.0,nan,nan,nan,0,nan,"[0]",torch.int64\n'
+    )
+    t.write(1, "actv", 11, set(), extra=empty)
+    scan(tmp_path / "db", t.root)
+    inc = the_incident(tmp_path / "db")  # the empty tensor opens no incident of its own
+    o = inc["origin"]
+    assert (o["rank"], o["step"], o["tag"], o["module"]) == (1, 11, "grad_unreduced", "embedding")
+    notes = " ".join(inc["detail"]["notes"])
+    assert "empty tensors on rank 1 at step 11 of `dn_query_generator.label_embedding`" in notes
+    conn = sqlite3.connect(tmp_path / "db")
+    try:
+        kinds = dict(conn.execute("SELECT kind, count(*) FROM events GROUP BY kind").fetchall())
+    finally:
+        conn.close()
+    assert kinds["data_issue"] == 1
+
+
 def test_only_reduced_gradients_nan(tmp_path: Path) -> None:
     t = Tree(tmp_path / "run", 2)
     t.step(2, {r: {"grad_reduced": {"layers.0.weight"}} for r in (0, 1)})

@@ -58,7 +58,7 @@ class Finding:
     module: str
     role: str
     micro: int | None
-    index: int | None
+    index: int | None  # collection order within the file (CSV rows: the byte offset)
     call_id: int | None
     after_finite: bool | None
 
@@ -80,6 +80,7 @@ class Finding:
         return self.bucket(), _PHASE_RANK.get(self.tag, 9)
 
     def key(self) -> tuple[Any, ...]:
+        # a CSV row's byte offset is its collection order within its file (one step each)
         if self.index is not None:
             order: tuple[int, int] = (0, self.index)
         elif self.call_id is not None:
@@ -111,7 +112,7 @@ def _finding(ev: dict[str, Any]) -> Finding | None:
         module=module,
         role=role,
         micro=micro if isinstance(micro, int) else None,
-        index=f.get("index") if isinstance(f.get("index"), int) else None,
+        index=ev.get("offset") if f.get("via") == "csv" else None,
         call_id=f.get("call_id") if isinstance(f.get("call_id"), int) else None,
         after_finite=f.get("after_finite") if isinstance(f.get("after_finite"), bool) else None,
     )
@@ -179,6 +180,7 @@ def nan_origin(
         origin["candidates"] = list(cand_src["candidates"])
         origin["ambiguous"] = bool(cand_src.get("ambiguous"))
     notes = list(story.notes)
+    notes += _empty_note(conn, incident_id, story.rank, step)
     notes += _candidates_note(cand_src)
     followed = _followed(conn, incident_id)
     notes += _followed_notes(followed)
@@ -489,6 +491,29 @@ def _candidates_note(fields: Mapping[str, Any]) -> list[str]:
             f"{shape}: ambiguous, one of {listed}"
         ]
     return [f"{fields.get('tensor')} is {listed} in the checkpoint (by {by} {shape})"]
+
+
+def _empty_note(
+    conn: sqlite3.Connection, incident_id: int, rank: int | None, step: int
+) -> list[str]:
+    """Empty tensors on the origin rank at the origin step: an empty input breaks some kernels."""
+    rows = conn.execute(
+        "SELECT DISTINCT json_extract(fields, '$.tensor'), json_extract(fields, '$.module'), "
+        "json_extract(fields, '$.shape') FROM events WHERE kind='data_issue' AND run_id = "
+        "(SELECT run_id FROM incidents WHERE id=?) AND rank IS ? AND step=? AND "
+        'fields LIKE \'%"reason":"empty tensor"%\' LIMIT 5',
+        (incident_id, rank, step),
+    ).fetchall()
+    if not rows:
+        return []
+    what = ", ".join(f"{t} (shape {s})" for t, _, s in rows)
+    mods = sorted({m for _, m, _ in rows if m})
+    where = f" of `{'`, `'.join(mods)}`" if mods else ""
+    return [
+        f"empty tensors on rank {rank} at step {step}{where}: {what}; an empty input can make a "
+        "module's backward produce NaN (e.g. an embedding on CANN before 8.0.0): look for samples "
+        "without ground truth in that step's batch"
+    ]
 
 
 def _text_note(conn: sqlite3.Connection, incident_id: int) -> list[str]:

@@ -44,7 +44,7 @@ def run_key(root: Root, path: str) -> RunKey:
             launch = "/".join(rel[: i + 1])
             return RunKey(root.path, launch, f"{root_name}/{launch}", parent)
     if root.kind != "file":
-        found = _msprobe_run(root, base, rel, path, root_name)
+        found = _msprobe_folder_run(root, base, rel, root_name)
         if found is not None:
             return found
     # A file beside launch folders (mmengine's config dump `20261130_101500.py`,
@@ -55,6 +55,10 @@ def run_key(root: Root, path: str) -> RunKey:
         launch = "/".join([*rel, sibling]) if rel else sibling
         parent = os.path.basename(folder) or root_name
         return RunKey(root.path, launch, f"{root_name}/{launch}", parent)
+    if root.kind != "file":
+        found = _msprobe_unmarked_run(root, base, rel, path, root_name)
+        if found is not None:
+            return found
     return RunKey(root.path, "", root_name, experiment)
 
 
@@ -137,14 +141,13 @@ def _launch_of(folder: str, name: str) -> int:
     return idx
 
 
-def _msprobe_run(
-    root: Root, base: str, rel: tuple[str, ...], path: str, root_name: str
+def _msprobe_folder_run(
+    root: Root, base: str, rel: tuple[str, ...], root_name: str
 ) -> RunKey | None:
-    """The run of a file in (or beside) msprobe monitor output; None: the PATH's own run.
+    """The run of a file in an msprobe rank folder; None for files outside them.
 
     The first launch of a monitor folder is the PATH's run (so a PATH holding one launch's
-    monitor output and its stdout log is one run); later launches split off. Files without a
-    marker (stdout, anomaly dumps) go to the latest launch that started before they were written.
+    monitor output and its stdout log is one run); later launches split off.
     """
     for i, part in enumerate(rel):
         if not RANK_DIR.match(part):
@@ -154,12 +157,20 @@ def _msprobe_run(
             return inside
         folder = os.path.join(base, *rel[:i])
         idx = _launch_of(folder, part)
-        return _cluster_key(root, rel[:i], launch_clusters(folder), idx, root_name)
+        key = _cluster_key(root, rel[:i], launch_clusters(folder), idx, root_name)
+        return key or RunKey(root.path, "", root_name, None)
+    return None
+
+
+def _msprobe_unmarked_run(
+    root: Root, base: str, rel: tuple[str, ...], path: str, root_name: str
+) -> RunKey | None:
+    """Files without a marker (stdout, anomaly dumps) beside several launches of msprobe go to
+    the latest launch that started before they were last written."""
     if classify(path) is not None:  # anomaly dumps, module_struct.json
         inside = _mmengine_above(root, base, rel, root_name)
         if inside is not None:
             return inside
-    # a file without a marker: which launch was running when it was last written
     try:
         mtime = os.stat(path).st_mtime
     except OSError:

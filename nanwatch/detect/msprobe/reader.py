@@ -26,8 +26,8 @@ from ...events import Event, Metric, format_utc
 from ...sources.monitor import MonitorFile, classify
 from ...stream import StreamState
 from .names import PHASE_OF, locate, parse_tag
-from .rows import Layout, guess_layout, layout, parse_row
-from .volume import Volume
+from .rows import Layout, guess_layout, is_placeholder_tail, layout, parse_row, tag_of
+from .volume import Family, Volume
 
 log = logging.getLogger("nanwatch.msprobe")
 
@@ -94,8 +94,10 @@ class MonitorReader:
     def restore(self, path: str, state: StreamState) -> None:
         """Seed the family counts from a stream known from an earlier run of nanwatch."""
         ms = state.msprobe or {}
+        # CSV families are per rank folder, alert-line families per text file
+        folder = path if classify(path) is None else _folder(path)
         for tag, fam in (ms.get("fam") or {}).items():
-            self.volume.family(_folder(path), tag, fam)
+            self.volume.family(folder, tag, fam)
 
     # -- CSV -------------------------------------------------------------------------------------
 
@@ -128,86 +130,48 @@ class MonitorReader:
             if header is not None:
                 ms["h"] = header
                 lay = _cached_layout(ms, mf)
+        body = data[pos:]
+        if lay is None and body:
+            first = body[: body.find(b"\n")]
+            lay = guess_layout(mf.version, mf.family, first.count(b",") + 1)
+            if lay is not None:
+                ms["h"] = list(lay.header)
+        if lay is None:
+            self.counters["msprobe_bad_rows"] += body.count(b"\n")
+            state.line_no = line_no + body.count(b"\n")
+            state.msprobe = ms
+            return events, []
+        ctx = _Rows(self, mf, lay, file, root, ms, start + pos, line_no, state.rank)
+        ctx.run(body, events)
+        state.msprobe = ctx.save()
+        state.line_no = line_no + body.count(b"\n")
+        return events, []
+
+    def bound(self, events: list[Event], state: StreamState, file: str) -> list[Event]:
+        """Alert-line events of a text stream, thinned by the same policy as CSV rows."""
+        if not any(e.fields.get("via") == "alert" for e in events):
+            return events
+        ms: dict[str, Any] = dict(state.msprobe or {})
         fams: dict[str, Any] = dict(ms.get("fam") or {})
         rows: dict[str, Any] = dict(ms.get("r") or {})
-        key = tuple(ms.get("k") or ("", ""))
-        idx = int(ms.get("i", 0))
-        fin = bool(ms.get("f", False))
-        mtime: str | None = None
-        folder = _folder(file)
-        body = data[pos:]
-        offset = start + pos
-        for raw in body.split(b"\n")[:-1]:
-            row_off = offset
-            offset += len(raw) + 1
-            line_no += 1
-            if not raw.strip():
+        out = []
+        for e in events:
+            tag = e.fields.get("tag")
+            if e.fields.get("via") != "alert" or e.step is None or not isinstance(tag, str):
+                out.append(e)
                 continue
-            candidate = b"nan" in raw or b"inf" in raw or b"NaN" in raw or b"Inf" in raw
-            if lay is None:
-                lay = guess_layout(mf.version, mf.family, raw.count(b",") + 1)
-                if lay is None:
-                    self.counters["msprobe_bad_rows"] += 1
-                    continue
-                ms["h"] = list(lay.header)
-            parts = raw.split(b",", lay.split)
-            if len(parts) <= lay.split - 1:
-                self.counters["msprobe_bad_rows"] += 1
-                continue
-            rk = (
-                parts[lay.step].decode("ascii", "replace"),
-                parts[lay.micro].decode("ascii", "replace") if lay.micro is not None else "",
-            )
-            if rk != key:
-                key, idx, fin = rk, 0, False
-            if not candidate:
-                idx += 1
-                fin = True
-                continue
-            verdict, found = parse_row(lay, raw.decode("utf-8", "replace"), mf.family)
-            if verdict == "bad":
-                self.counters["msprobe_bad_rows"] += 1
-            if found is None:
-                idx += 1
-                fin = fin or verdict == "finite"
-                continue
-            fam = self.volume.family(folder, found.tag, fams.get(found.tag))
-            seen = rows.get(found.tag)
-            n_rows = int(seen[1]) if seen and seen[0] == found.step else 0
-            decision, ordinal = self.volume.decide(fam, found.step, n_rows)
-            rows[found.tag] = [found.step, n_rows + 1]
-            fams[found.tag] = fam.to_list()
+            key = f"{e.rank}:{tag}"
+            fam = self.volume.family(file, key, fams.get(key))
+            seen = rows.get(key)
+            n_rows = int(seen[1]) if seen and seen[0] == e.step else 0
+            decision, _ = self.volume.decide(fam, e.step, n_rows)
+            rows[key] = [e.step, n_rows + 1]
+            fams[key] = fam.to_list()
             if decision != "drop":
-                if mtime is None:
-                    mtime = _mtime(file)
-                fields = found.fields()
-                fields.update(via="csv", index=idx, after_finite=fin, nan_step=ordinal)
-                if decision == "sample":
-                    fields["sampled"] = True
-                if mtime:
-                    fields["stream_time"] = mtime
-                if self.shapes is not None and found.tag in _SHAPE_TAGS:
-                    extra = self.shapes(root, found.tensor, found.shape)
-                    if extra:
-                        fields.update(extra)
-                events.append(
-                    Event(
-                        kind="nan",
-                        message=_message(fields),
-                        offset=row_off,
-                        file=file,
-                        line=line_no,
-                        rank=mf.rank if mf.rank is not None else state.rank,
-                        step=found.step,
-                        stage="train",
-                        fields=fields,
-                    )
-                )
-            idx += 1
-        ms.update(k=list(key), i=idx, f=fin, fam=fams, r=rows)
+                out.append(e)
+        ms.update(fam=fams, r=rows)
         state.msprobe = ms
-        state.line_no = line_no
-        return events, []
+        return out
 
     # -- anomaly.json ----------------------------------------------------------------------------
 
@@ -357,6 +321,182 @@ class MonitorReader:
         )
 
 
+_CANDIDATE = re.compile(rb"nan|inf")
+EMPTY = "!empty"
+
+
+class _Rows:
+    """One chunk of complete CSV lines. Only lines with ``nan``/``inf`` are looked at: finite rows
+    cost a byte search. For a candidate, the line before it says whether a finite row of the
+    same step (and micro-step) came first (``after_finite``): rows of one write are contiguous.
+    """
+
+    def __init__(
+        self,
+        reader: MonitorReader,
+        mf: MonitorFile,
+        lay: Layout,
+        file: str,
+        root: str | None,
+        ms: dict[str, Any],
+        base: int,
+        line_no: int,
+        rank: int | None,
+    ) -> None:
+        self.r, self.mf, self.lay, self.file, self.root, self.ms = reader, mf, lay, file, root, ms
+        self.base, self.line_no = base, line_no
+        self.rank = mf.rank if mf.rank is not None else rank
+        self.fams: dict[str, Any] = dict(ms.get("fam") or {})
+        self.rows: dict[str, Any] = dict(ms.get("r") or {})
+        k = ms.get("k") or ["", ""]
+        self.key: tuple[bytes, ...] = tuple(str(x).encode() for x in k)  # the last line's key
+        self.fin = bool(ms.get("f", False))  # a finite row of that key was seen
+        self.folder = _folder(file)
+        self.mtime: str | None = None
+        self._fam: dict[str, Family] = {}
+
+    def _key(self, raw: bytes) -> tuple[tuple[bytes, ...], list[bytes]] | None:
+        parts = raw.split(b",", self.lay.split)
+        if len(parts) < self.lay.split:
+            return None
+        lay = self.lay
+        return (parts[lay.step], parts[lay.micro] if lay.micro is not None else b""), parts
+
+    def run(self, body: bytes, events: list[Event]) -> None:
+        end = -1
+        nl_pos = nl_count = 0
+        cand_start = -1
+        cand_key: tuple[bytes, ...] = ()
+        cand_fin = False
+        search = _CANDIDATE.search
+        while True:
+            m = search(body, end + 1)
+            if m is None:
+                break
+            ls = body.rfind(b"\n", 0, m.start()) + 1
+            end = body.find(b"\n", m.start())
+            raw = body[ls:end]
+            nl_count += body.count(b"\n", nl_pos, ls)
+            nl_pos = ls
+            got = self._key(raw)
+            if got is None:
+                self.r.counters["msprobe_bad_rows"] += 1
+                continue
+            key, parts = got
+            if ls == 0:
+                fin = self.fin if key == self.key else False
+            else:
+                ps = body.rfind(b"\n", 0, ls - 1) + 1
+                if ps == cand_start:
+                    fin = cand_fin if key == cand_key else False
+                else:
+                    prev = self._key(body[ps : ls - 1])
+                    fin = prev is not None and prev[0] == key
+            verdict = self._row(raw, parts, key, fin, self.line_no + nl_count + 1, ls, events)
+            cand_start, cand_key, cand_fin = ls, key, fin or verdict == "finite"
+        if body:
+            last = body.rfind(b"\n", 0, len(body) - 1) + 1
+            if last == cand_start:
+                self.key, self.fin = cand_key, cand_fin
+            else:
+                got = self._key(body[last:-1])
+                if got is not None:
+                    self.key, self.fin = got[0], True
+
+    def _row(
+        self,
+        raw: bytes,
+        parts: list[bytes],
+        key: tuple[bytes, ...],
+        fin: bool,
+        line: int,
+        ls: int,
+        events: list[Event],
+    ) -> str:
+        lay, mf = self.lay, self.mf
+        scope = parts[lay.scope].decode("ascii", "replace").strip() if lay.scope is not None else ""
+        tag = tag_of(lay, mf.family, scope)
+        if tag is None:
+            self.r.counters["msprobe_bad_rows"] += 1
+            return "bad"
+        if is_placeholder_tail(lay, parts[-1], tag):
+            return "placeholder"
+        try:
+            step = int(float(key[0]))
+        except ValueError:
+            self.r.counters["msprobe_bad_rows"] += 1
+            return "bad"
+        fam = self._fam.get(tag)
+        if fam is None:
+            fam = self._fam[tag] = self.r.volume.family(self.folder, tag, self.fams.get(tag))
+        seen = self.rows.get(tag)
+        n_rows = int(seen[1]) if seen and seen[0] == step else 0
+        if self.r.volume.drops(fam, step, n_rows):
+            self.rows[tag] = [step, n_rows + 1]
+            return "dropped"
+        verdict, found = parse_row(lay, raw.decode("utf-8", "replace"), mf.family)
+        if verdict == "bad":
+            self.r.counters["msprobe_bad_rows"] += 1
+        if found is None:
+            return verdict
+        if verdict == "empty":
+            # counted apart from the NaN family: an empty tensor is a clue, not a NaN
+            tag = tag + EMPTY
+            fam = self._fam.get(tag)
+            if fam is None:
+                fam = self._fam[tag] = self.r.volume.family(self.folder, tag, self.fams.get(tag))
+            seen = self.rows.get(tag)
+            n_rows = int(seen[1]) if seen and seen[0] == step else 0
+        decision, ordinal = self.r.volume.decide(fam, found.step, n_rows)
+        self.rows[tag] = [found.step, n_rows + 1]
+        self.fams[tag] = fam.to_list()
+        if decision == "drop":
+            return verdict
+        if self.mtime is None:
+            self.mtime = _mtime(self.file)
+        fields = found.fields()
+        fields.update(via="csv", after_finite=fin, nan_step=ordinal)
+        if decision == "sample":
+            fields["sampled"] = True
+        if self.mtime:
+            fields["stream_time"] = self.mtime
+        if self.r.shapes is not None and found.tag in _SHAPE_TAGS and verdict != "empty":
+            extra = self.r.shapes(self.root, found.tensor, found.shape)
+            if extra:
+                fields.update(extra)
+        kind = "nan"
+        if verdict == "empty":
+            # stored for the NaN story (an empty input breaks some backward kernels); on its
+            # own it is no incident: some models see empty tensors every step
+            kind = "data_issue"
+            fields.update(reason="empty tensor", incident=False)
+        events.append(
+            Event(
+                kind=kind,
+                message=_message(fields),
+                offset=self.base + ls,
+                file=self.file,
+                line=line,
+                rank=self.rank,
+                step=found.step,
+                stage="train",
+                fields=fields,
+            )
+        )
+        return verdict
+
+    def save(self) -> dict[str, Any]:
+        ms = dict(self.ms)
+        ms.update(
+            k=[x.decode("ascii", "replace") for x in self.key],
+            f=self.fin,
+            fam=self.fams,
+            r=self.rows,
+        )
+        ms.pop("i", None)
+        return ms
+
+
 _SHAPE_TAGS = frozenset(
     ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin", "param_updated")
 )
@@ -408,7 +548,7 @@ def _message(f: Mapping[str, Any]) -> str:
         bits.append(f", shape {f['shape']}")
     if isinstance(f.get("nans"), (int, float)) and f["nans"]:
         bits.append(f", {f['nans']:g} NaN elements")
-    bits.append(f") is {f['value']}")
+    bits.append(") is empty" if f["value"] == "empty" else f") is {f['value']}")
     if f.get("micro_step") is not None:
         bits.append(f" in micro-step {f['micro_step']}")
     return "".join(bits)

@@ -47,7 +47,9 @@ class Layout:
     shape: int | None
     dtype: int | None
     stats: tuple[tuple[str, int], ...]  # (op, column) for every statistic column
-    split: int  # how many commas to split on to reach step and micro_step
+    split: int  # how many commas to split on to reach step, micro_step and scope
+    nan_tail: bytes  # what follows the key columns in a placeholder row: nan,nan,...,nan
+    has_marker: bool  # a nans / zeros / shape column tells placeholders from NaN tensors
 
     @property
     def key_cols(self) -> tuple[int, int | None]:
@@ -64,6 +66,7 @@ def layout(header: tuple[str, ...], version: int) -> Layout | None:
     fixed = {"vpp_stage", "name", "module_name", "step", "micro_step", "scope", "shape", "dtype"}
     stats = tuple((c, i) for i, c in enumerate(header) if c not in fixed)
     micro = cols.get("micro_step")
+    split = max(step, micro if micro is not None else 0, cols.get("scope") or 0) + 1
     return Layout(
         header=header,
         version=version,
@@ -74,7 +77,9 @@ def layout(header: tuple[str, ...], version: int) -> Layout | None:
         shape=cols.get("shape"),
         dtype=cols.get("dtype"),
         stats=stats,
-        split=max(step, micro if micro is not None else 0, cols.get("scope") or 0) + 1,
+        split=split,
+        nan_tail=b",".join([b"nan"] * (len(header) - split)),
+        has_marker=bool({"nans", "zeros", "shape"} & set(cols)),
     )
 
 
@@ -159,19 +164,33 @@ class Finding:
         return f
 
 
+def tag_of(lay: Layout, family: str, scope: str) -> str | None:
+    if lay.version == 2:
+        return _V2_TAG.get((family, scope))
+    return TAG_OF.get(family)
+
+
+def is_placeholder_tail(lay: Layout, tail: bytes, tag: str) -> bool:
+    """Cheap test on the bytes after the key columns (see parse_row for the rule)."""
+    if tail.rstrip(b"\r") != lay.nan_tail or lay.version == 2:
+        return False
+    return lay.has_marker or tag not in PARAM_TAGS
+
+
 def parse_row(lay: Layout, line: str, family: str) -> tuple[str, Finding | None]:
-    """('finite' | 'placeholder' | 'bad' | 'nonfinite', finding)."""
+    """('finite' | 'placeholder' | 'bad' | 'nonfinite' | 'empty', finding).
+
+    'empty': a tensor with no elements (a 0 in its shape), whose statistics msprobe writes as
+    NaN; not a NaN, but worth knowing (an empty input breaks some backward kernels).
+    """
     try:
         cells = next(csv.reader([line]))
     except (csv.Error, StopIteration):
         return "bad", None
     if len(cells) != len(lay.header):
         return "bad", None
-    if lay.version == 2:
-        scope = cells[lay.scope].strip() if lay.scope is not None else ""
-        tag = _V2_TAG.get((family, scope))
-    else:
-        tag = TAG_OF.get(family)
+    scope = cells[lay.scope].strip() if lay.scope is not None else ""
+    tag = tag_of(lay, family, scope)
     if tag is None:
         return "bad", None
     try:
@@ -192,17 +211,29 @@ def parse_row(lay: Layout, line: str, family: str) -> tuple[str, Finding | None]
         # activation rows have placeholders (a None parameter gradient is never written).
         if has_marker or tag not in PARAM_TAGS:
             return "placeholder", None
+    shape = _shape(shape_txt) if shape_txt else None
+    empty = shape is not None and 0 in shape
     core = [values[op] for op in CORE_STATS if op in values]
     if not core:
         core = [v for op, v in values.items() if op not in ("nans", "zeros", "id")]
-    bad = [v for v in core if v is not None and not math.isfinite(v)]
+    infs = [v for v in core if v is not None and math.isinf(v)]
+    nan_stat = any(v is not None and math.isnan(v) for v in core)
     nans = values.get("nans")
-    if not bad and not (nans is not None and math.isfinite(nans) and nans > 0):
-        return "finite", None
-    if any(math.isnan(v) for v in bad) or (nans is not None and math.isfinite(nans) and nans > 0):
-        value = "nan"
+    if nans is not None and math.isfinite(nans):
+        # the count decides: min/max/mean of an empty tensor are NaN without any NaN element,
+        # and the mean of +inf and -inf is NaN too
+        value = "nan" if nans > 0 else ("inf" if infs else "")
+    elif empty:
+        value = ""
     else:
-        value = "inf" if any(v > 0 for v in bad) else "-inf"
+        value = "nan" if nan_stat else ("inf" if infs else "")
+    signed = [values[op] for op in ("max", "mean", "min") if values.get(op) is not None]
+    if value == "inf" and any(math.isinf(v) for v in signed):  # the norm of -inf is +inf
+        value = "inf" if any(math.isinf(v) and v > 0 for v in signed) else "-inf"
+    if not value:
+        if not empty:
+            return "finite", None
+        value = "empty"
     name = cells[lay.name].strip()
     micro = None
     if lay.micro is not None:
@@ -221,7 +252,7 @@ def parse_row(lay: Layout, line: str, family: str) -> tuple[str, Finding | None]
     stats = {op: _stat_value(v) for op, v in values.items()}
     if stats.get("nans") is not None and isinstance(stats["nans"], float):
         stats["nans"] = int(stats["nans"]) if stats["nans"].is_integer() else stats["nans"]
-    return "nonfinite", Finding(
+    return ("empty" if value == "empty" else "nonfinite"), Finding(
         tensor=name,
         tag=tag,
         phase=PHASE_OF[tag],
@@ -230,7 +261,7 @@ def parse_row(lay: Layout, line: str, family: str) -> tuple[str, Finding | None]
         step=step,
         micro_step=micro,
         vpp_stage=vpp,
-        shape=_shape(shape_txt) if shape_txt else None,
+        shape=shape,
         dtype=dtype_txt if dtype_txt and dtype_txt.lower() != "nan" else None,
         value=value,
         stats=stats,

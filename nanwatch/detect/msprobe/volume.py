@@ -65,6 +65,15 @@ class Volume:
                 fam.first, fam.n, fam.last = other.first, other.n, other.last
         return fam
 
+    @staticmethod
+    def drops(fam: Family, step: int, rows_this_step: int) -> bool:
+        """Will a row of the family's latest step surely be dropped? (saves parsing it)"""
+        if fam.last is None or step != fam.last:
+            return False
+        if fam.n <= FULL_STEPS:
+            return rows_this_step >= FULL_ROWS
+        return rows_this_step > 0 or not sampled(fam.n)
+
     def decide(self, fam: Family, step: int, rows_this_step: int) -> tuple[str, int]:
         """('full' | 'sample' | 'drop', ordinal) for a non-finite row at ``step``."""
         if fam.last is None or step > fam.last:
