@@ -227,7 +227,7 @@ def parse_row(lay: Layout, line: str, family: str) -> tuple[str, Finding | None]
         value = ""
     else:
         value = "nan" if nan_stat else ("inf" if infs else "")
-    signed = [values[op] for op in ("max", "mean", "min") if values.get(op) is not None]
+    signed = [v for v in (values.get(op) for op in ("max", "mean", "min")) if v is not None]
     if value == "inf" and any(math.isinf(v) for v in signed):  # the norm of -inf is +inf
         value = "inf" if any(math.isinf(v) and v > 0 for v in signed) else "-inf"
     if not value:
