@@ -68,3 +68,4 @@ def test_one_incident_never_rooted_in_a_placeholder(case: Path, tmp_path: Path) 
     story = nanwatch("show", "--db", str(db), str(summary["incidents"][0]["id"])).stdout
     assert "Root cause: the NaN was produced inside the backward of `layers.1`" in story
     assert "First parameter gradient non-finite" in story
+    assert ("may be shortened by msprobe's squash_name" in story) is ("squashed" in case.name)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..detect.msprobe.names import locate, looks_squashed
 from ..store.db import EVENT_COLUMNS, Store
 from .origin import earliest_event_origin, origin_of, register
 
@@ -96,8 +97,6 @@ def _finding(ev: dict[str, Any]) -> Finding | None:
     if tag not in _PHASE_RANK or not isinstance(tensor, str) or ev.get("step") is None:
         return None
     if f.get("module") is None:
-        from ..detect.msprobe.names import locate
-
         where = locate(tensor, tag)
         module, role = where.module, where.role
     else:
@@ -182,6 +181,13 @@ def nan_origin(
     notes = list(story.notes)
     notes += _empty_note(conn, incident_id, story.rank, step)
     notes += _candidates_note(cand_src)
+    named = fp.tensor if fp is not None else story.root.tensor
+    if not cand_src.get("candidates") and looks_squashed(named):
+        notes.append(
+            f"{named} may be shortened by msprobe's squash_name (the default before 26.0): the "
+            "module's full path then ends with it; `nanwatch shapes CHECKPOINT --shape ...` lists "
+            "the parameters of that shape"
+        )
     followed = _followed(conn, incident_id)
     notes += _followed_notes(followed)
     notes += _text_note(conn, incident_id)

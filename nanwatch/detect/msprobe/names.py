@@ -145,6 +145,11 @@ def maybe_squashed(name: str) -> bool:
     return bool(_SQUASHED.match(strip_wrappers(name)))
 
 
+def looks_squashed(name: str) -> bool:
+    """As written, without a wrapper prefix: squashing drops ``module.`` too."""
+    return bool(_SQUASHED.match(re.sub(r"^\d+:", "", name)))
+
+
 def suffix_matches(short: str, names: list[str]) -> list[str]:
     """Full names that a (possibly squashed) name is the tail of, by whole components."""
     key = param_key(short)
