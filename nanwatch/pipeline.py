@@ -20,6 +20,7 @@ from .config import Config
 from .correlate import Change, Correlator
 from .detect import Detector, RuleSet, load_rules
 from .detect.msprobe import MonitorReader
+from .detect.msprobe.reader import Rewritten
 from .errors import StoreError
 from .events import Event, Metric, now_utc
 from .notify.outbox import Outbox, Sender, Sink
@@ -231,7 +232,12 @@ class Pipeline:
         if rec.status != "active":
             return None
         state = copy.copy(rec.state)
-        got = self.monitor.snapshot(rec.path, state, identity=rec.key)
+        try:
+            got = self.monitor.snapshot(rec.path, state, identity=rec.key)
+        except Rewritten:
+            rec = self.tracker.restart_generation(rec, "rewritten from scratch")
+            state = copy.copy(rec.state)
+            got = self.monitor.snapshot(rec.path, state, identity=rec.key, force=True)
         if got is None:
             return None
         events, size = got

@@ -397,6 +397,17 @@ def test_torn_dump_is_retried_never_fatal(tmp_path: Path) -> None:
     scan(db, tmp_path / "run")
     scan(db, tmp_path / "run")
     assert len(events(db)) == n + 1
+    # a relaunch starts the same file afresh (same inode here): its entries are new findings,
+    # even those whose keys repeat the first launch's
+    with dump.open("r+") as fh:
+        fh.truncate(0)
+        fh.write("{}")
+    scan(db, tmp_path / "run")
+    with dump.open("r+") as fh:
+        fh.truncate(0)
+        fh.write(full)
+    scan(db, tmp_path / "run")
+    assert len(events(db)) == 2 * n + 1
 
 
 def test_event_volume_is_bounded(tmp_path: Path) -> None:

@@ -212,7 +212,8 @@ def test_without_activation_gradients_the_backward_order_decides(tmp_path: Path)
     t2.write(0, "grad_unreduced", 5, ALL)
     scan(tmp_path / "db2", t2.root)
     inc2 = the_incident(tmp_path / "db2")
-    assert "probably arrives from the loss" in inc2["detail"]["root_cause"]
+    assert "arrives from the loss or is produced in" in inc2["detail"]["root_cause"]
+    assert inc2["origin"]["module"] == "output_layer"
 
 
 def test_dumps_alone_order_by_call_id(tmp_path: Path) -> None:

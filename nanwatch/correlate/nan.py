@@ -356,11 +356,12 @@ def _backward(
                 "(activation gradients were not monitored: enable xy_distribution to confirm)"
             )
         else:
+            # without activation gradients the two cannot be told apart: name the module
             root_cause = (
                 f"the first gradient computed in the backward pass on {_where(head)} is already "
-                f"non-finite ({head.tensor}): the NaN probably arrives from the loss"
+                f"non-finite ({head.tensor}): the NaN arrives from the loss or is produced in "
+                f"the backward of {_mod(m)} (enable xy_distribution to tell)"
             )
-            return Story(rank, head, None, fp, root_cause, notes)
         if fp is not None and fp.module != m:
             notes.append(
                 f"{_mod(m)} has no non-finite parameter gradient of its own: the first one is "

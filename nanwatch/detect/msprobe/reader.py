@@ -66,6 +66,10 @@ def classify_alert(
     return True, ""
 
 
+class Rewritten(Exception):
+    """A dump no longer continues what was read from it: it was started afresh."""
+
+
 class MonitorReader:
     """Routes monitor files and turns their contents into events (kind ``nan``)."""
 
@@ -186,6 +190,8 @@ class MonitorReader:
         """Re-read a dump if it changed: (events, size read), or None (unchanged or torn).
 
         ``identity`` (device, inode) guards against reading a new file that replaced this one.
+        Raises :class:`Rewritten` when the content was started afresh (read it again, ``force``,
+        as a new generation).
         """
         ms: dict[str, Any] = dict(state.msprobe or {})
         try:
@@ -208,7 +214,11 @@ class MonitorReader:
         entries = list(data.items()) if isinstance(data, dict) else []
         done = int(ms.get("n", 0))
         if not (0 < done <= len(entries) and entries[done - 1][0] == ms.get("last")):
-            done = 0  # rewritten from scratch (a new launch) or never read: take all
+            if done > 0 and not force:
+                # rewritten from scratch (msprobe starts every launch with `{}`): a new
+                # generation of the file, whose keys may repeat the old one's
+                raise Rewritten(path)
+            done = 0
         fams: dict[str, Any] = dict(ms.get("fam") or {})
         rows: dict[str, Any] = dict(ms.get("r") or {})
         mf = classify(path)
