@@ -5,69 +5,32 @@ lines at committed offsets), so a half-written row is never parsed. An event's k
 byte offset. What a CSV stream must remember (its header, the step and row index it is in, its
 tensor families' counts) lives in ``StreamState.msprobe``, persisted with the offset.
 
-``anomaly.json`` is rewritten in place (truncate, then write, under flock) after every step with
-anomalies, so offsets mean nothing there: it is re-read whole when its size or mtime changes, a
-torn read is retried and otherwise left for the next pass, and each entry's own key
-(``{tag}_step_{S}_call_{C}``) is the event key, so re-reading never duplicates.
+``anomaly.json`` is rewritten in place: it is read whole when it changes (see ``dump``).
+Alert lines in text logs come from the rule pack ``parsers/msprobe.toml``; :meth:`bound` thins
+them like CSV rows.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
-import re
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...events import Event, Metric, format_utc
+from ...events import Event, Metric
 from ...sources.monitor import MonitorFile, classify
 from ...stream import StreamState
-from .names import PHASE_OF, locate, parse_tag
-from .rows import Layout, guess_layout, is_placeholder_tail, layout, parse_row, tag_of
-from .volume import Family, Volume
+from .csvrows import RowWalker
+from .dump import Rewritten, read_dump
+from .rows import Layout, guess_layout, layout
+from .volume import Volume
+
+__all__ = ["MonitorReader", "Rewritten", "ShapeLookup"]
 
 log = logging.getLogger("nanwatch.msprobe")
 
 ShapeLookup = Callable[[str | None, str, list[int] | None], Mapping[str, Any] | None]
 """(run folder, tensor name, shape) -> extra fields (candidate modules) or None."""
-
-# msprobe's alert text, also kept in each dump entry's `message`
-ALERT = re.compile(
-    r"Rule (?P<rule>\w+) reports anomaly signal in \('(?P<tag>[^']*)', '(?P<op>\w+)'\) at step "
-    r"(?P<step>\d+)(?:, current value (?P<value>\S+), history mean (?P<history>[^\s,]+?))?\.?\s*$"
-)
-_NONFINITE = ("nan", "inf", "-inf", "+inf")
-JSON_RETRIES = 3
-JSON_RETRY_WAIT = 0.02
-BIG_JSON = 16 << 20  # a dump this big is re-read at most every BIG_JSON_INTERVAL seconds
-BIG_JSON_INTERVAL = 30.0
-
-
-def classify_alert(
-    op: str, value: str | None, history: str | None, raw_tag: str
-) -> tuple[bool, str]:
-    """Is an alert (line or dump entry) a real non-finite tensor? (yes, why-not)."""
-    if value is None:
-        # before msprobe 8.1 the text ends at the step: a placeholder and a NaN tensor read the
-        # same, except that None parameter gradients are never reported
-        if op in ("nans", "zeros") or raw_tag in ("actv", "actv_grad"):
-            return False, "ambiguous"
-        return True, ""
-    if value.lower() not in _NONFINITE:
-        return False, "finite"  # a threshold or turbulence alert, not a NaN
-    if op in ("nans", "zeros"):
-        return False, "placeholder"  # a real NaN tensor has a finite NaN count and zero ratio
-    if history is not None and history.lower() == "nan":
-        # a placeholder (its history is NaN from the start) or a tensor NaN since an earlier step
-        return False, "placeholder"
-    return True, ""
-
-
-class Rewritten(Exception):
-    """A dump no longer continues what was read from it: it was started afresh."""
 
 
 class MonitorReader:
@@ -99,7 +62,7 @@ class MonitorReader:
         """Seed the family counts from a stream known from an earlier run of nanwatch."""
         ms = state.msprobe or {}
         # CSV families are per rank folder, alert-line families per text file
-        folder = path if classify(path) is None else _folder(path)
+        folder = path if classify(path) is None else os.path.dirname(path)
         for tag, fam in (ms.get("fam") or {}).items():
             self.volume.family(folder, tag, fam)
 
@@ -145,7 +108,7 @@ class MonitorReader:
             state.line_no = line_no + body.count(b"\n")
             state.msprobe = ms
             return events, []
-        ctx = _Rows(self, mf, lay, file, root, ms, start + pos, line_no, state.rank)
+        ctx = RowWalker(self, mf, lay, file, root, ms, start + pos, line_no, state.rank)
         ctx.run(body, events)
         state.msprobe = ctx.save()
         state.line_no = line_no + body.count(b"\n")
@@ -193,334 +156,7 @@ class MonitorReader:
         Raises :class:`Rewritten` when the content was started afresh (read it again, ``force``,
         as a new generation).
         """
-        ms: dict[str, Any] = dict(state.msprobe or {})
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        if identity is not None and (st.st_dev, st.st_ino) != identity:
-            return None
-        sig = [st.st_size, st.st_mtime_ns]
-        if not force and ms.get("sig") == sig:
-            return None
-        if st.st_size > BIG_JSON and not force:
-            last = self._json_read.get(path, 0.0)
-            if time.monotonic() - last < BIG_JSON_INTERVAL:
-                return None
-        data = self._read_json(path)
-        if data is None:
-            return None
-        self._json_read[path] = time.monotonic()
-        entries = list(data.items()) if isinstance(data, dict) else []
-        done = int(ms.get("n", 0))
-        if not (0 < done <= len(entries) and entries[done - 1][0] == ms.get("last")):
-            if done > 0 and not force:
-                # rewritten from scratch (msprobe starts every launch with `{}`): a new
-                # generation of the file, whose keys may repeat the old one's
-                raise Rewritten(path)
-            done = 0
-        fams: dict[str, Any] = dict(ms.get("fam") or {})
-        rows: dict[str, Any] = dict(ms.get("r") or {})
-        mf = classify(path)
-        folder = _folder(path)
-        mtime = format_utc(st.st_mtime)
-        events: list[Event] = []
-        for key, entry in entries[done:]:
-            ev = self._entry_event(path, key, entry, mf, folder, fams, rows, mtime)
-            if ev is not None:
-                events.append(ev)
-        ms.update(
-            sig=sig, n=len(entries), last=entries[-1][0] if entries else None, fam=fams, r=rows
-        )
-        state.msprobe = ms
-        return events, st.st_size
-
-    def _read_json(self, path: str) -> Any:
-        for attempt in range(JSON_RETRIES):
-            try:
-                with open(path, "rb") as f:
-                    try:
-                        # msprobe writes under LOCK_EX; a shared lock waits for a complete file
-                        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    except OSError:
-                        pass
-                    raw = f.read()
-                if raw.strip():
-                    return json.loads(raw)
-            except (OSError, ValueError):
-                pass
-            # msprobe opens with "w" (truncating) before it takes its lock: an empty or cut file
-            # is a rewrite in progress
-            self.counters["msprobe_json_retries"] += 1
-            if attempt + 1 < JSON_RETRIES:
-                time.sleep(JSON_RETRY_WAIT * (attempt + 1))
-        log.info("%s: caught mid-rewrite; will read it again on the next change", path)
-        return None
-
-    def _entry_event(
-        self,
-        path: str,
-        key: str,
-        entry: Any,
-        mf: MonitorFile | None,
-        folder: str,
-        fams: dict[str, Any],
-        rows: dict[str, Any],
-        mtime: str,
-    ) -> Event | None:
-        if not isinstance(entry, dict):
-            return None
-        msg = str(entry.get("message") or "")
-        m = ALERT.search(msg)
-        tag_text = str(entry.get("tag_name") or (m["tag"] if m else ""))
-        parsed = parse_tag(tag_text)
-        if m is None or parsed is None or parsed.tag is None:
-            return None
-        ok, _ = classify_alert(m["op"], m["value"], m["history"], parsed.raw_tag)
-        if not ok:
-            return None
-        try:
-            raw_step: Any = entry.get("step")
-            step = int(raw_step if raw_step is not None else m["step"])
-        except (TypeError, ValueError):
-            return None
-        tag = parsed.tag
-        fam = self.volume.family(folder, tag, fams.get(tag))
-        seen = rows.get(tag)
-        n_rows = int(seen[1]) if seen and seen[0] == step else 0
-        decision, ordinal = self.volume.decide(fam, step, n_rows)
-        rows[tag] = [step, n_rows + 1]
-        fams[tag] = fam.to_list()
-        if decision == "drop":
-            return None
-        where = locate(parsed.name, tag)
-        call_id = entry.get("call_id")
-        value = (m["value"] or "nan").lower()
-        fields: dict[str, Any] = {
-            "via": "anomaly",
-            "tensor": parsed.name,
-            "tag": tag,
-            "raw_tag": parsed.raw_tag,
-            "phase": PHASE_OF[tag],
-            "module": where.module,
-            "role": where.role,
-            "micro_step": parsed.micro_step,
-            "call_id": call_id if isinstance(call_id, int) and call_id >= 0 else None,
-            "value": "nan" if value.startswith("nan") else value,
-            "op": m["op"],
-            "alert_rule": m["rule"],
-            "history": m["history"],
-            "nan_step": ordinal,
-            "stream_time": mtime,
-        }
-        if parsed.vpp is not None:
-            fields["vpp_stage"] = parsed.vpp
-        if decision == "sample":
-            fields["sampled"] = True
-        rank = entry.get("rank")
-        return Event(
-            kind="nan",
-            message=_message(fields),
-            offset=0,
-            key=key,
-            file=path,
-            rank=rank if isinstance(rank, int) else (mf.rank if mf else parsed.rank),
-            step=step,
-            stage="train",
-            fields=fields,
-        )
-
-
-_CANDIDATE = re.compile(rb"nan|inf")
-EMPTY = "!empty"
-
-
-class _Rows:
-    """One chunk of complete CSV lines. Only lines with ``nan``/``inf`` are looked at: finite rows
-    cost a byte search. For a candidate, the line before it says whether a finite row of the
-    same step (and micro-step) came first (``after_finite``): rows of one write are contiguous.
-    """
-
-    def __init__(
-        self,
-        reader: MonitorReader,
-        mf: MonitorFile,
-        lay: Layout,
-        file: str,
-        root: str | None,
-        ms: dict[str, Any],
-        base: int,
-        line_no: int,
-        rank: int | None,
-    ) -> None:
-        self.r, self.mf, self.lay, self.file, self.root, self.ms = reader, mf, lay, file, root, ms
-        self.base, self.line_no = base, line_no
-        self.rank = mf.rank if mf.rank is not None else rank
-        self.fams: dict[str, Any] = dict(ms.get("fam") or {})
-        self.rows: dict[str, Any] = dict(ms.get("r") or {})
-        k = ms.get("k") or ["", ""]
-        self.key: tuple[bytes, ...] = tuple(str(x).encode() for x in k)  # the last line's key
-        self.fin = bool(ms.get("f", False))  # a finite row of that key was seen
-        self.folder = _folder(file)
-        self.mtime: str | None = None
-        self._fam: dict[str, Family] = {}
-
-    def _key(self, raw: bytes) -> tuple[tuple[bytes, ...], list[bytes]] | None:
-        parts = raw.split(b",", self.lay.split)
-        if len(parts) < self.lay.split:
-            return None
-        lay = self.lay
-        return (parts[lay.step], parts[lay.micro] if lay.micro is not None else b""), parts
-
-    def run(self, body: bytes, events: list[Event]) -> None:
-        end = -1
-        nl_pos = nl_count = 0
-        cand_start = -1
-        cand_key: tuple[bytes, ...] = ()
-        cand_fin = False
-        search = _CANDIDATE.search
-        while True:
-            m = search(body, end + 1)
-            if m is None:
-                break
-            ls = body.rfind(b"\n", 0, m.start()) + 1
-            end = body.find(b"\n", m.start())
-            raw = body[ls:end]
-            nl_count += body.count(b"\n", nl_pos, ls)
-            nl_pos = ls
-            got = self._key(raw)
-            if got is None:
-                self.r.counters["msprobe_bad_rows"] += 1
-                continue
-            key, parts = got
-            if ls == 0:
-                fin = self.fin if key == self.key else False
-            else:
-                ps = body.rfind(b"\n", 0, ls - 1) + 1
-                if ps == cand_start:
-                    fin = cand_fin if key == cand_key else False
-                else:
-                    prev = self._key(body[ps : ls - 1])
-                    fin = prev is not None and prev[0] == key
-            verdict = self._row(raw, parts, key, fin, self.line_no + nl_count + 1, ls, events)
-            cand_start, cand_key, cand_fin = ls, key, fin or verdict == "finite"
-        if body:
-            last = body.rfind(b"\n", 0, len(body) - 1) + 1
-            if last == cand_start:
-                self.key, self.fin = cand_key, cand_fin
-            else:
-                got = self._key(body[last:-1])
-                if got is not None:
-                    self.key, self.fin = got[0], True
-
-    def _row(
-        self,
-        raw: bytes,
-        parts: list[bytes],
-        key: tuple[bytes, ...],
-        fin: bool,
-        line: int,
-        ls: int,
-        events: list[Event],
-    ) -> str:
-        lay, mf = self.lay, self.mf
-        scope = parts[lay.scope].decode("ascii", "replace").strip() if lay.scope is not None else ""
-        tag = tag_of(lay, mf.family, scope)
-        if tag is None:
-            self.r.counters["msprobe_bad_rows"] += 1
-            return "bad"
-        if is_placeholder_tail(lay, parts[-1], tag):
-            return "placeholder"
-        try:
-            step = int(float(key[0]))
-        except ValueError:
-            self.r.counters["msprobe_bad_rows"] += 1
-            return "bad"
-        fam = self._fam.get(tag)
-        if fam is None:
-            fam = self._fam[tag] = self.r.volume.family(self.folder, tag, self.fams.get(tag))
-        seen = self.rows.get(tag)
-        n_rows = int(seen[1]) if seen and seen[0] == step else 0
-        if self.r.volume.drops(fam, step, n_rows):
-            self.rows[tag] = [step, n_rows + 1]
-            return "dropped"
-        verdict, found = parse_row(lay, raw.decode("utf-8", "replace"), mf.family)
-        if verdict == "bad":
-            self.r.counters["msprobe_bad_rows"] += 1
-        if found is None:
-            return verdict
-        if verdict == "empty":
-            # counted apart from the NaN family: an empty tensor is a clue, not a NaN
-            tag = tag + EMPTY
-            fam = self._fam.get(tag)
-            if fam is None:
-                fam = self._fam[tag] = self.r.volume.family(self.folder, tag, self.fams.get(tag))
-            seen = self.rows.get(tag)
-            n_rows = int(seen[1]) if seen and seen[0] == step else 0
-        decision, ordinal = self.r.volume.decide(fam, found.step, n_rows)
-        self.rows[tag] = [found.step, n_rows + 1]
-        self.fams[tag] = fam.to_list()
-        if decision == "drop":
-            return verdict
-        if self.mtime is None:
-            self.mtime = _mtime(self.file)
-        fields = found.fields()
-        fields.update(via="csv", after_finite=fin, nan_step=ordinal)
-        if decision == "sample":
-            fields["sampled"] = True
-        if self.mtime:
-            fields["stream_time"] = self.mtime
-        if self.r.shapes is not None and found.tag in _SHAPE_TAGS and verdict != "empty":
-            extra = self.r.shapes(self.root, found.tensor, found.shape)
-            if extra:
-                fields.update(extra)
-        kind = "nan"
-        if verdict == "empty":
-            # stored for the NaN story (an empty input breaks some backward kernels); on its
-            # own it is no incident: some models see empty tensors every step
-            kind = "data_issue"
-            fields.update(reason="empty tensor", incident=False)
-        events.append(
-            Event(
-                kind=kind,
-                message=_message(fields),
-                offset=self.base + ls,
-                file=self.file,
-                line=line,
-                rank=self.rank,
-                step=found.step,
-                stage="train",
-                fields=fields,
-            )
-        )
-        return verdict
-
-    def save(self) -> dict[str, Any]:
-        ms = dict(self.ms)
-        ms.update(
-            k=[x.decode("ascii", "replace") for x in self.key],
-            f=self.fin,
-            fam=self.fams,
-            r=self.rows,
-        )
-        ms.pop("i", None)
-        return ms
-
-
-_SHAPE_TAGS = frozenset(
-    ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "param_origin", "param_updated")
-)
-
-
-def _folder(path: str) -> str:
-    return os.path.dirname(path)
-
-
-def _mtime(path: str) -> str | None:
-    try:
-        return format_utc(os.stat(path).st_mtime)
-    except OSError:
-        return None
+        return read_dump(self, path, state, identity=identity, force=force)
 
 
 def _cached_layout(ms: Mapping[str, Any], mf: MonitorFile) -> Layout | None:
@@ -550,15 +186,3 @@ def _header_from_disk(path: str, mf: MonitorFile) -> list[str] | None:
         if line is not None and line.startswith(b"vpp_stage,"):
             return line.decode("utf-8", "replace").strip().split(",")
     return None
-
-
-def _message(f: Mapping[str, Any]) -> str:
-    bits = [f"msprobe: {f['tensor']} ({f['tag']}"]
-    if f.get("shape") is not None:
-        bits.append(f", shape {f['shape']}")
-    if isinstance(f.get("nans"), (int, float)) and f["nans"]:
-        bits.append(f", {f['nans']:g} NaN elements")
-    bits.append(") is empty" if f["value"] == "empty" else f") is {f['value']}")
-    if f.get("micro_step") is not None:
-        bits.append(f" in micro-step {f['micro_step']}")
-    return "".join(bits)
