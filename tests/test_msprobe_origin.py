@@ -42,8 +42,18 @@ class Tree:
         for d in self.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
 
-    def write(self, rank: int, family: str, step: int, nan: set[str], extra: str = "") -> None:
-        micro = 0 if family in MICRO_FAMILIES else None
+    def write(
+        self,
+        rank: int,
+        family: str,
+        step: int,
+        nan: set[str],
+        extra: str = "",
+        micro: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if micro is None and family in MICRO_FAMILIES:
+            micro = 0
         lines = []
         if family == "actv":
             for m in MODEL:
@@ -65,7 +75,11 @@ class Tree:
             for m in order:
                 lines.append(row(f"module.{m}.weight", step, f"{m}.weight" in nan, "[8, 8]", micro))
         head = MICRO if micro is not None else PLAIN
-        (self.dirs[rank] / f"{family}_{step}-{step}.csv").write_text(head + "".join(lines) + extra)
+        f = self.dirs[rank] / (name or f"{family}_{step}-{step}.csv")
+        if f.exists():
+            head = ""  # the next micro-batch's rows, appended
+        with f.open("a") as fh:
+            fh.write(head + "".join(lines) + extra)
 
     def step(self, step: int, nan: dict[int, dict[str, set[str]]]) -> None:
         for rank in self.dirs:
@@ -187,6 +201,36 @@ def test_an_empty_input_at_the_origin_is_noted_not_a_nan(tmp_path: Path) -> None
     finally:
         conn.close()
     assert kinds["data_issue"] == 1
+
+
+def test_micro_batches_in_execution_order(tmp_path: Path) -> None:
+    """Gradient accumulation: forward/backward of micro-batch 0, then of micro-batch 1."""
+    t = Tree(tmp_path / "run", 2)
+    for rank in (0, 1):
+        for micro in (0, 1):
+            fwd = {"output_layer.output"} if rank == 0 and micro == 1 else set()
+            bwd = {"layers.0.input", "embedding.output"} if rank == 1 and micro == 1 else set()
+            t.write(rank, "actv", 4, fwd, micro=micro)
+            t.write(rank, "actv_grad", 4, bwd, micro=micro)
+            # monitor_mbs_grad: per-micro-batch unreduced gradients
+            gu = {"layers.0.weight", "embedding.weight"} if rank == 1 and micro == 1 else set()
+            t.write(rank, "grad_unreduced", 4, gu, micro=micro)
+    scan(tmp_path / "db", t.root)
+    o = the_incident(tmp_path / "db")["origin"]
+    # rank 0's forward NaN and rank 1's backward NaN are both in micro-batch 1: forward first
+    assert (o["rank"], o["micro_step"], o["phase"], o["module"]) == (
+        0,
+        1,
+        "forward",
+        "output_layer",
+    )
+    t2 = Tree(tmp_path / "run2", 2)
+    t2.write(0, "actv", 4, {"output_layer.output"}, micro=1)
+    t2.write(1, "actv_grad", 4, {"layers.0.input", "embedding.output"}, micro=0)
+    scan(tmp_path / "db2", t2.root)
+    o2 = the_incident(tmp_path / "db2")["origin"]
+    # micro-batch 0's backward ran before micro-batch 1's forward
+    assert (o2["rank"], o2["micro_step"], o2["module"]) == (1, 0, "layers.0")
 
 
 def test_only_reduced_gradients_nan(tmp_path: Path) -> None:

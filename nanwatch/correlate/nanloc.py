@@ -265,11 +265,13 @@ def _backward(
     born += [r for r in gu if r.module not in nan_out]
     if born:
         head = born[0]
+        if head.tag == "grad_unreduced":
+            head = first_param([r for r in gu if r.module == head.module]) or head
         m = head.module
         what = (
             f"its input gradient {head.tensor}"
             if head.tag == "actv_grad"
-            else f"its weight gradient {head.tensor}"
+            else f"the gradient of its parameter {head.tensor}"
         )
         if ag or xy:
             root_cause = (

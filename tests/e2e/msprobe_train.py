@@ -10,7 +10,12 @@ own backward while its forward and the gradient arriving at its output stay fini
   (weight 0): sqrt at 0 has an infinite derivative, so the weight gradient is NaN (like an
   embedding whose backward breaks on an empty input);
 - ``layers.1``: the same kind of term on the layer's output columns, so its input, weight and
-  bias gradients are NaN.
+  bias gradients are NaN;
+- ``forward``: layers.0's output becomes NaN in the forward pass.
+
+``--acc N`` accumulates gradients over N micro-batches (the NaN comes in the last one) and
+``--mbs`` asks msprobe for per-micro-batch unreduced gradients; ``--no-xy`` turns activation
+monitoring off.
 
 DDP's all-reduce then spreads the NaN to every rank's reduced gradients.
 """
@@ -32,7 +37,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--nan-step", type=int, default=3)
-    p.add_argument("--nan-in", choices=("embedding", "layers.1"), default="embedding")
+    p.add_argument("--nan-in", choices=("embedding", "layers.1", "forward"), default="embedding")
+    p.add_argument("--acc", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--mbs", action="store_true", help="monitor_mbs_grad")
+    p.add_argument("--no-xy", action="store_true", help="no activation monitoring")
     p.add_argument("--squash", action="store_true", help="msprobe's old squash_name naming")
     p.add_argument("--per-record", type=int, default=1, help="step_count_per_record")
     p.add_argument("--pause", type=float, default=0.0, help="seconds between steps")
@@ -43,8 +51,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def config(args: argparse.Namespace) -> dict[str, object]:
     return {
         "targets": {},
-        "xy_distribution": True,
-        "all_xy": True,
+        "xy_distribution": not args.no_xy,
+        "all_xy": not args.no_xy,
         "wg_distribution": True,
         "mv_distribution": True,
         "param_distribution": True,
@@ -58,6 +66,7 @@ def config(args: argparse.Namespace) -> dict[str, object]:
         "ndigits": 8,
         "step_count_per_record": args.per_record,
         "squash_name": bool(args.squash),
+        "monitor_mbs_grad": bool(args.mbs),
     }
 
 
@@ -80,9 +89,12 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
     class Linear(nn.Linear):
         poison = False
+        poison_forward = False
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = super().forward(x)
+            if self.poison_forward:
+                y = y * torch.tensor(float("nan"))
             d = ((y[..., 0] - y[..., 1]) * (0.0 if self.poison else 1.0)).pow(2).sum()
             return y + 0.0 * torch.sqrt(d)
 
@@ -103,20 +115,22 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     model = DDP(Model())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     mon = TrainerMon(str(args.out / "monitor_config.json"), params_have_main_grad=False)
-    mon.set_monitor(model, optimizer=opt, grad_acc_steps=1)
+    mon.set_monitor(model, optimizer=opt, grad_acc_steps=args.acc)
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):
-        ids = torch.randint(0, 16, (4, 4), generator=gen)
-        if ids[0, 0] == ids[0, 1]:
-            ids[0, 1] = (ids[0, 0] + 1) % 16
-        labels = torch.randint(0, 4, (4,), generator=gen)
-        poisoned = rank == args.nan_rank and step == args.nan_step
-        if poisoned and args.nan_in == "embedding":
-            ids[0, 1] = ids[0, 0]
-        model.module.layers[1].poison = poisoned and args.nan_in == "layers.1"
         opt.zero_grad()
-        loss = F.cross_entropy(model(ids), labels)
-        loss.backward()
+        for micro in range(args.acc):
+            ids = torch.randint(0, 16, (4, 4), generator=gen)
+            if ids[0, 0] == ids[0, 1]:
+                ids[0, 1] = (ids[0, 0] + 1) % 16
+            labels = torch.randint(0, 4, (4,), generator=gen)
+            poisoned = rank == args.nan_rank and step == args.nan_step and micro == args.acc - 1
+            if poisoned and args.nan_in == "embedding":
+                ids[0, 1] = ids[0, 0]
+            model.module.layers[1].poison = poisoned and args.nan_in == "layers.1"
+            model.module.layers[0].poison_forward = poisoned and args.nan_in == "forward"
+            loss = F.cross_entropy(model(ids), labels) / args.acc
+            loss.backward()
         opt.step()
         # the framework's own numbering: iterations from 1 (msprobe counts steps from 0)
         print(f"[train] iter {step + 1} rank {rank} loss: {loss.item():.6f}", flush=True)
