@@ -21,9 +21,12 @@ from .correlate import Change, Correlator
 from .correlate.chains import Timeouts
 from .correlate.knowledge import Knowledge
 from .detect import Detector, RuleSet, load_rules
+from .detect.msprobe import MonitorReader
+from .detect.msprobe.reader import Rewritten
 from .errors import StoreError
 from .events import Event, Metric, now_utc
 from .notify.outbox import Outbox, Sender, Sink
+from .shapes import ShapeResolver
 from .sources import Chunk, Root, SourceRecord, Tracker, make_roots
 from .sources.discover import rank_from_path
 from .sources.runs import run_key
@@ -81,9 +84,12 @@ class Pipeline:
         self.roots = make_roots(list(paths), must_exist=not live)
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
         self.detector = Detector(self.rules)
+        self.monitor = MonitorReader(ShapeResolver(config.shapes.checkpoint).lookup)
         self.tracker = Tracker(
             self.roots, self._assign_run, known=self._known(), next_gen=store.next_gen, live=live
         )
+        for rec in [*self.tracker.records.values(), *self.tracker.retired]:
+            self.monitor.restore(rec.path, rec.state)
         self.correlator = Correlator(
             store,
             timeouts=Timeouts(config.knowledge.hccl_exec_timeout, config.knowledge.nccl_timeout),
@@ -177,11 +183,23 @@ class Pipeline:
         batch: list[_Pending] = []
         size = 0
         nevents = 0
-        for rec in list(self.tracker.records.values()):
+        # monitor CSVs in step order (one file per step range): the first NaN steps come first
+        for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order):
             if wanted is not None and rec.path not in wanted:
                 continue
+            # monitor output has its own readers; everything else goes through the rule packs
+            route = self.monitor.route(rec.path)
+            if route == "anomaly":
+                pending = self._snapshot(rec)
+                if pending is not None:
+                    batch.append(pending)
+                    nevents += len(pending.events)
+                continue
+            feed = self.detector.feed if route is None else self._monitor_feed(rec.root)
             states: dict[int, StreamState] = {}
             for chunk in self.tracker.read(rec, final=final):
+                if chunk.final and route is not None:
+                    continue  # an unterminated CSV row may be half-written: never parsed
                 r = chunk.record
                 if r.run_id is None:
                     r.run_id = self._assign_run(r.root, r.path)
@@ -189,7 +207,9 @@ class Pipeline:
                 if st is None:
                     st = copy.copy(r.state)
                 work = copy.copy(st) if chunk.final else st
-                events, metrics = self.detector.feed(chunk.data, chunk.start, work, r.path)
+                events, metrics = feed(chunk.data, chunk.start, work, r.path)
+                if route is None and events:
+                    events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
                 if not chunk.final:
                     states[id(r)] = st
                 batch.append(_Pending(chunk, events, metrics, work))
@@ -209,6 +229,35 @@ class Pipeline:
             if self.on_changes is not None:
                 self.on_changes(changes)
         return changes
+
+    def _monitor_feed(
+        self, root: Root
+    ) -> Callable[[bytes, int, StreamState, str], tuple[list[Event], list[Metric]]]:
+        def feed(
+            data: bytes, start: int, state: StreamState, file: str
+        ) -> tuple[list[Event], list[Metric]]:
+            return self.monitor.feed(data, start, state, file, root.base)
+
+        return feed
+
+    def _snapshot(self, rec: SourceRecord) -> _Pending | None:
+        """A file rewritten in place (msprobe's anomaly.json): read whole when it changed."""
+        if rec.status != "active":
+            return None
+        state = copy.copy(rec.state)
+        try:
+            got = self.monitor.snapshot(rec.path, state, identity=rec.key)
+        except Rewritten:
+            rec = self.tracker.restart_generation(rec, "rewritten from scratch")
+            state = copy.copy(rec.state)
+            got = self.monitor.snapshot(rec.path, state, identity=rec.key, force=True)
+        if got is None:
+            return None
+        events, size = got
+        if rec.run_id is None:
+            rec.run_id = self._assign_run(rec.root, rec.path)
+        # offset = the size read; no tail checksum: the bytes before it are rewritten each time
+        return _Pending(Chunk(rec, b"", 0, size, None, None, 0, False), events, [], state)
 
     def _retire(self, rec: SourceRecord) -> None:
         try:
@@ -424,4 +473,4 @@ class Pipeline:
         return sorted(ids | self.stats.runs)
 
     def counters(self) -> dict[str, Any]:
-        return dict(self.tracker.counters)
+        return {**self.tracker.counters, **self.monitor.counters}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -27,6 +28,9 @@ class StreamState:
     hint_line: int = 0
     last_time: str | None = None
     line_no: int = 0  # complete lines consumed before the committed offset
+    # structured readers (msprobe CSV / dumps): header, row position, family counts; replaced,
+    # never mutated in place, because the pipeline copies states shallowly
+    msprobe: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, 0)})

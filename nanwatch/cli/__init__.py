@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "silence": ("notify", "silence", "Hold notifications of a run and/or kind for a while."),
     "silences": ("notify", "silences", "List silences."),
     "plot": ("notify", "plot", "Draw loss, grad norm, step time per rank around an incident."),
+    "shapes": (
+        "shapes",
+        "shapes",
+        "List a checkpoint's parameters of a shape, with their modules.",
+    ),
 }
 
 

@@ -336,7 +336,9 @@ class Correlator:
         origin_ev, origin = origin_for(inc["kind"])(self.store.conn, iid)
         run = self._run(inc["run_id"])
         story = describe(self.store.conn, iid, inc["kind"], origin, run)
-        detail = {**inc.get("detail", {}), **story.detail}
+        # an origin function may have written its own story into the row (the NaN one does)
+        row = self.store.conn.execute("SELECT detail FROM incidents WHERE id=?", (iid,)).fetchone()
+        detail = {**json.loads(row[0] or "{}"), **story.detail}
         hints = (
             self.knowledge.hints_for(self.store.conn, iid, inc["kind"], origin, detail, run)
             if self.knowledge is not None

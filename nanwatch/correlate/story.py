@@ -121,19 +121,15 @@ def describe(
         title = f"Non-finite {tensor}" if tensor else "Non-finite values"
         if where:
             title += f" first on {where}"
-        nan = comp.get("nan")
-        if nan and len(nan["ranks"]) > 1 and rank is not None:
-            others = sorted(nan["ranks"] - {rank})
-            if others:
-                detail.setdefault("notes", [])
-        detail.setdefault(
-            "root_cause",
-            "The first non-finite value appeared"
-            + (f" on rank {rank}" if rank is not None else "")
-            + (f" at {at}" if at else "")
-            + (f" in {tensor}" if tensor else "")
-            + ".",
-        )
+        if not origin.get("tag"):
+            # tensor findings (msprobe) come with their own story from the nan origin
+            detail["root_cause"] = (
+                "The first non-finite value appeared"
+                + (f" on rank {rank}" if rank is not None else "")
+                + (f" at {at}" if at else "")
+                + (f" in {tensor}" if tensor else "")
+                + "."
+            )
     elif kind in ("comm_timeout", "comm_error"):
         info = comp.get(kind, {})
         backends = "/".join(sorted(b.upper() for b in info.get("backends", ()))) or "collective"
