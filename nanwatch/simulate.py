@@ -114,6 +114,41 @@ class Line:
     t: float  # simulated seconds since start
     rank: int
     text: str
+    file: str | None = None  # relative to the launch folder; None: the rank's log
+
+
+# A DINO-like model's parameters (named_parameters order) and shapes, for msprobe output.
+DINO_PARAMS: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("backbone.conv1.weight", (64, 3, 7, 7)),
+    ("backbone.layer1.0.conv1.weight", (64, 64, 1, 1)),
+    ("encoder.layers.0.self_attn.sampling_offsets.weight", (256, 256)),
+    ("encoder.layers.0.self_attn.attention_weights.weight", (128, 256)),
+    ("decoder.layers.0.cross_attn.value_proj.weight", (256, 256)),
+    ("query_embedding.weight", (900, 256)),
+    ("dn_query_generator.label_embedding.weight", (80, 256)),
+    ("bbox_head.cls_branches.0.weight", (80, 256)),
+    ("bbox_head.cls_branches.1.weight", (80, 256)),
+    ("bbox_head.reg_branches.0.0.weight", (256, 256)),
+)
+MSPROBE_HEADER = "vpp_stage,name,step,norm,min,max,mean,nans,zeros,shape,dtype"
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    text = "[" + ", ".join(str(x) for x in s) + "]"
+    return f'"{text}"' if len(s) > 1 else text
+
+
+def msprobe_row(
+    name: str, step: int, shape: tuple[int, ...], rng: random.Random, *, nan: int = 0
+) -> str:
+    """One V1 gradient row; ``nan`` non-finite elements make norm/min/max/mean ``nan``."""
+    if nan:
+        return f"0,module.{name},{step},nan,nan,nan,nan,{nan},0.0,{_shape(shape)},torch.float32"
+    norm = rng.uniform(0.01, 2.0)
+    return (
+        f"0,module.{name},{step},{norm:.8f},{-norm / 10:.8f},{norm / 10:.8f},"
+        f"{rng.uniform(-1e-4, 1e-4):.8f},0,0.0,{_shape(shape)},torch.float32"
+    )
 
 
 @dataclass
@@ -132,6 +167,9 @@ class TrainingRun:
     nan_at: tuple[int, int] | None = (1, 10)  # (epoch, iter)
     stop_after_nan: int = 6  # logged iterations after the NaN before the run is stopped
     seed: int = 0
+    msprobe_nan_step: int | None = None  # msprobe step whose backward makes NaN on nan_rank
+    msprobe_from: int = 0  # first step msprobe records (a monitor switched on late)
+    msprobe_per_record: int = 10  # msprobe's step_count_per_record
     val_after_epoch: int | None = None  # run a validation loop after this epoch
     val_iters: int = 50
     val_interval: int = 10
@@ -160,13 +198,22 @@ class TrainingRun:
                     return
             for it in range(1, self.iters + 1):
                 t += self.step_time * (1 + rng.uniform(-0.03, 0.03))
+                step = (epoch - 1) * self.iters + it - 1  # msprobe counts optimizer steps from 0
+                if self.msprobe_nan_step is not None and step >= self.msprobe_from:
+                    yield from self._msprobe_step(step, t, rng)
                 if it % self.log_interval:
                     continue
                 now = self.start + _dt.timedelta(seconds=t + 5)
-                nan_step = self.nan_at is not None and (epoch, it) >= self.nan_at
+                if self.msprobe_nan_step is not None:
+                    # NaN born in a backward shows in the loss of the iteration after it
+                    nan_step = step >= self.msprobe_nan_step + 1
+                else:
+                    nan_step = self.nan_at is not None and (epoch, it) >= self.nan_at
                 for r in range(self.ranks):
                     bad = nan_step and (
-                        (epoch, it) > self.nan_at or r == self.nan_rank  # type: ignore[operator]
+                        self.msprobe_nan_step is not None
+                        or (epoch, it) > self.nan_at  # type: ignore[operator]
+                        or r == self.nan_rank
                     )
                     losses = {
                         k: (
@@ -195,6 +242,37 @@ class TrainingRun:
                     after_nan = (after_nan or 0) + 1
                     if after_nan > self.stop_after_nan:
                         return
+
+    def monitor_folder(self, rank: int) -> str:
+        """msprobe's per-rank folder: Asia/Shanghai start time, rank, an id."""
+        sh = self.start + _dt.timedelta(hours=8)
+        return f"monitor_output/{sh:%b%d_%H-%M-%S}-rank{rank}-{0x5EED0000 + rank:08x}"
+
+    def _msprobe_step(self, step: int, t: float, rng: random.Random) -> Iterator[Line]:
+        """grad_unreduced / grad_reduced rows of one optimizer step on every rank."""
+        n = self.msprobe_per_record
+        start = (step // n) * n
+        bad = self.msprobe_nan_step
+        assert bad is not None
+        for r in range(self.ranks):
+            folder = self.monitor_folder(r)
+            for family in ("grad_unreduced", "grad_reduced"):
+                path = f"{folder}/{family}_{start}-{start + n - 1}.csv"
+                if step == start or step == self.msprobe_from:
+                    yield Line(t, r, MSPROBE_HEADER, path)
+                # backward completes in roughly reversed order; the optimizer reads in order
+                params = DINO_PARAMS[::-1] if family == "grad_unreduced" else DINO_PARAMS
+                for name, shape in params:
+                    nan = 0
+                    if step > bad:
+                        nan = shape[0] * shape[1]  # NaN weights: every gradient after
+                    elif (
+                        step == bad
+                        and "label_embedding" in name
+                        and (family == "grad_reduced" or r == self.nan_rank)
+                    ):
+                        nan = shape[1]  # one embedding row: the empty input's backward
+                    yield Line(t, r, msprobe_row(name, step, shape, rng, nan=nan), path)
 
     def _validation(self, epoch: int, t: float, rng: random.Random) -> Iterator[Line]:
         """Validation after ``epoch``; the OOM rank dies in it and the others time out."""
@@ -236,12 +314,16 @@ class TrainingRun:
     def write(self) -> list[Path]:
         """Write the whole run at once (for scan tests); returns the rank files."""
         self.launch_dir.mkdir(parents=True, exist_ok=True)
-        texts: dict[int, list[str]] = {r: [] for r in range(self.ranks)}
+        texts: dict[Path, list[str]] = {self.rank_path(r): [] for r in range(self.ranks)}
         for line in self.lines():
-            texts[line.rank].append(line.text + "\n")
-        for r, lines in texts.items():
-            self.rank_path(r).write_text("".join(lines), encoding="utf-8")
+            texts.setdefault(self._path(line), []).append(line.text + "\n")
+        for path, lines in texts.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(lines), encoding="utf-8")
         return [self.rank_path(r) for r in range(self.ranks)]
+
+    def _path(self, line: Line) -> Path:
+        return self.launch_dir / line.file if line.file else self.rank_path(line.rank)
 
     def replay(
         self,
@@ -254,7 +336,7 @@ class TrainingRun:
         1800 s before a collective times out) last at most ``max_pause`` real seconds."""
         self.launch_dir.mkdir(parents=True, exist_ok=True)
         handles = {
-            r: open(self.rank_path(r), "a", encoding="utf-8")  # noqa: SIM115 - closed below
+            self.rank_path(r): open(self.rank_path(r), "a", encoding="utf-8")  # noqa: SIM115
             for r in range(self.ranks)
         }
         t0 = time.monotonic()
@@ -278,7 +360,11 @@ class TrainingRun:
                             return
                     else:
                         time.sleep(delay)
-                handles[line.rank].write(line.text + "\n")
+                path = self._path(line)
+                if path not in handles:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    handles[path] = open(path, "a", encoding="utf-8")  # noqa: SIM115
+                handles[path].write(line.text + "\n")
         finally:
             for h in handles.values():
                 h.flush()
@@ -344,8 +430,9 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
 
     Run A: rank 3 runs out of NPU memory in validation after epoch 2; the seven other ranks
     hit HCCL EI0002 about 1800 s later, naming remote rank 3.
-    Run B: validation off, every step ~3.3x slower (grid_sample on the CPU), and the loss turns
-    NaN on rank 6 first.
+    Run B: validation off, every step ~3.3x slower (grid_sample on the CPU), msprobe's monitor
+    on: the unreduced gradient of ``label_embedding`` goes NaN on rank 6 first (an empty
+    embedding input on CANN < 8.0.0), the reduced gradients on every rank, then the loss.
     """
     work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
     run_a = TrainingRun(
@@ -372,8 +459,10 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
         log_interval=10,
         step_time=2.84,
         nan_rank=6,
-        nan_at=(3, 130),
-        stop_after_nan=5,
+        nan_at=None,
+        msprobe_nan_step=527,  # epoch 3, iteration 128: the loss is NaN from iteration 130
+        msprobe_from=500,
+        stop_after_nan=3,
         start=_dt.datetime(2026, 12, 1, 9, 0, 0),
         seed=2,
     )
@@ -407,7 +496,9 @@ def demo_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
         log_interval=10,
         step_time=2.84,
         nan_rank=6,
-        nan_at=(2, 60),
+        nan_at=None,
+        msprobe_nan_step=157,  # epoch 2, iteration 58: the loss is NaN from iteration 60
+        msprobe_from=140,
         stop_after_nan=3,
         start=_dt.datetime(2026, 12, 1, 9, 0, 0),
         seed=2,

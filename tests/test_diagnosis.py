@@ -90,6 +90,23 @@ def test_slowdown_against_the_previous_run_scanned_separately(
     assert 0.8 <= ev["baseline"] <= 0.95 and 2.6 <= ev["current"] <= 3.1
 
 
+def test_first_nan_in_the_embedding_names_cann_empty_labels_and_the_dataset_check(
+    seed: tuple[TrainingRun, TrainingRun], db: Path
+) -> None:
+    _, run_b = seed
+    (nan,) = [i for i in scan(db, run_b.launch_dir) if i["kind"] == "nan"]
+    o = nan["origin"]
+    assert (o["rank"], o["step"], o["tag"]) == (6, 527, "grad_unreduced")
+    assert o["tensor"] == "module.dn_query_generator.label_embedding.weight"
+    assert o["shape"] == [80, 256] and o["module"] == "dn_query_generator.label_embedding"
+    assert nan["ranks"] == list(range(8))
+    ids = [h["id"] for h in nan["hints"]]
+    assert ids[:2] == ["nan-embedding-empty-input-cann", "empty-gt-labels-out-of-range-classes"]
+    text = " ".join(h["title"] + h["text"] + " ".join(h["commands"]) for h in nan["hints"])
+    assert "8.0.0" in text and "gt_labels" in text and "nanwatch check-dataset" in text
+    assert not any("hccl" in i or "collective" in i for i in ids)
+
+
 def test_slowdown_found_when_the_slow_run_is_scanned_first(
     seed: tuple[TrainingRun, TrainingRun], db: Path
 ) -> None:

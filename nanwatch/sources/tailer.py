@@ -260,6 +260,8 @@ class Tracker:
 
     def _copy_candidate(self, rec: SourceRecord, fd: int, size: int) -> SourceRecord | None:
         """A known generation in the same folder whose bytes before its offset this file holds."""
+        if rotation_base(rec.path) == os.path.basename(rec.path):
+            return None  # only a name with a rotation suffix (.1, -20261130) can be a copy
         folder = os.path.dirname(rec.path)
         pool = [*self.records.values(), *self.retired]
         for other in pool:
