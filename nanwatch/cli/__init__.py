@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "events": ("browse", "events", "List detected events, oldest first."),
     "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
     "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),
+    "rules": ("rules", "rules", "List the detection rules (shipped and site packs)."),
+    "explain": ("rules", "explain", "Show which rules match a log line and the event it gives."),
 }
 
 

@@ -556,7 +556,8 @@ class Detector:
         message = text.strip()
         if rule.message:
             try:
-                message = rule.message.format_map(_Missing({**g, **fields}))
+                # the text as printed ("2.00 GiB", "NCCL") reads better than the typed value
+                message = rule.message.format_map(_Missing({**fields, **g}))
             except (KeyError, IndexError, ValueError, AttributeError):
                 message = text.strip()
         if len(message) > MESSAGE_MAX:
