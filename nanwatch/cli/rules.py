@@ -1,4 +1,4 @@
-"""`nanwatch rules` and `nanwatch explain`: see the detection rules, and what they make of a line."""
+"""`nanwatch rules` and `nanwatch explain`: the detection rules, and what they make of a line."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def explain(config_path: Path | None, as_json: bool, text: str) -> None:
 
     \b
     Examples:
-      nanwatch explain '[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.'
+      nanwatch explain '[rank3]: RuntimeError: CUDA error: out of memory'
       tail -n 40 rank3.log | nanwatch explain -
       nanwatch explain --json 'loss: nan'
     """
