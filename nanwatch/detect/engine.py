@@ -168,7 +168,7 @@ class Detector:
                 text, prefix_attrs = self._strip_prefixes(raw)
             for rule, m in hits.get(start, ()):
                 self._apply_chunk_rule(
-                    rule, m, state, base_offset + start, this_line, prefix_attrs, f.metrics
+                    rule, m, state, base_offset + start, this_line, prefix_attrs, f.metrics, chunk
                 )
             if is_candidate:
                 self._line(text, raw, prefix_attrs, state, this_line, start, end, f)
@@ -333,6 +333,7 @@ class Detector:
         line_no: int,
         prefix_attrs: Mapping[str, Any],
         metrics: list[Metric],
+        chunk: bytes = b"",
     ) -> None:
         g = {
             k: (v.decode("utf-8", "replace") if v is not None else None)
@@ -344,6 +345,10 @@ class Detector:
         if rule.progress:
             self._progress(state, line_no)
         ts = g.get("ts")
+        if ts is None and chunk:
+            # the line's own timestamp, from its head (chunk patterns start at their literal)
+            start = chunk.rfind(b"\n", 0, m.start()) + 1
+            ts = chunk[start : min(m.start(), start + 80)].decode("utf-8", "replace")
         when = self.times.parse(ts) if ts else None
         if when:
             state.last_time = when
