@@ -65,14 +65,14 @@ def test_a_report_split_over_two_chunks_stays_one_failure() -> None:
 def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
     events, _ = feed(
         [
-            "[rank0]:[E321 02:07:08.408 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective "
-            "operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+            "[rank0]:[E321 02:07:08.408 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
             "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.",
-            "[rank4]:[E321 02:07:08.414 ProcessGroupNCCL.cpp:607] [Rank 4] Watchdog caught collective "
-            "operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+            "[rank4]:[E321 02:07:08.414 ProcessGroupNCCL.cpp:607] [Rank 4] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
             "Timeout(ms)=600000) ran for 600067 milliseconds before timing out.",
-            "[rank0]:[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 0] Exception (either an "
-            "error or timeout) detected by watchdog at work: 15, last enqueued NCCL work: 16, last "
+            "[rank0]:[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 0] Exception "
+            "(either an error or timeout) detected by watchdog at work: 15, last enqueued NCCL work: 16, last "
             "completed NCCL work: 14.",
         ]
     )
@@ -179,7 +179,7 @@ def test_healthy_lines_of_every_family_stay_clean() -> None:
         " iteration      182/  250000 | lm loss: 2.382640E+00 | loss scale: 1.0 | grad norm: 0.227 "
         "| number of skipped iterations:   0 | number of nan iterations:   0 |",
         "WARNING:tensorboardX.x2num:NaN or Inf found in input tensor.",
-        "[01:34:58.290992] Epoch: [0]  [20/1504]  lr: 0.000000  closs: 1.5362 (1.5382)  time: 4.5562",
+        "[01:34:58.290992] Epoch: [0]  [20/1504]  lr: 0.000000  closs: 1.5362 (1.5382)  time: 4.5",
         "host-1:1234:5678 [0] NCCL INFO Channel 00/02 :    0   1   2   3",
         "host-1:1234:5678 [0] NCCL INFO comm 0x5581 rank 0 nranks 8 cudaDev 0 busId 1000 - Init "
         "COMPLETE",
