@@ -66,13 +66,16 @@ def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
     events, _ = feed(
         [
             "[rank0]:[E321 02:07:08.408 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught "
-            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, "
+            "NumelOut=8, "
             "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.",
             "[rank4]:[E321 02:07:08.414 ProcessGroupNCCL.cpp:607] [Rank 4] Watchdog caught "
-            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, "
+            "NumelOut=8, "
             "Timeout(ms)=600000) ran for 600067 milliseconds before timing out.",
             "[rank0]:[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 0] Exception "
-            "(either an error or timeout) detected by watchdog at work: 15, last enqueued NCCL work: 16, last "
+            "(either an error or timeout) detected by watchdog at work: 15, last enqueued NCCL "
+            "work: 16, last "
             "completed NCCL work: 14.",
         ]
     )
