@@ -202,3 +202,19 @@ def test_healthy_lines_of_every_family_stay_clean() -> None:
     ]
     events, _ = feed(healthy)
     assert events == []
+
+
+def test_without_the_automaton_the_regex_prefilter_finds_the_same() -> None:
+    slow = Detector(load_rules(), default_year=2026, automaton=False)
+    lines = [
+        *HCCL_BLOCK,
+        "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 1e-05, 'epoch': 0.5}",
+        "2026/11/30 10:00:00 - mmengine - INFO - Epoch(val)  [2][5/10]    eta: 0:00:10  time: 0.5",
+        "RuntimeError: CUDA error: out of memory",
+    ]
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    fast_events, fast_metrics = DETECTOR.feed(data, 0, StreamState(), "x")
+    slow_events, slow_metrics = slow.feed(data, 0, StreamState(), "x")
+    assert [e.kind for e in fast_events] == ["comm_timeout", "nan", "oom"]
+    assert slow_events == fast_events
+    assert repr(slow_metrics) == repr(fast_metrics)  # nan != nan
