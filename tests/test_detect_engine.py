@@ -4,9 +4,11 @@ chunks, interleaved ranks, progress bars, colours, wrapped lines, GBK bytes, met
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from nanwatch.detect import Detector, StreamState, load_rules
 from nanwatch.events import Event, Metric
+from nanwatch.simulate import TrainingRun
 
 DETECTOR = Detector(load_rules(), default_year=2026)
 
@@ -218,3 +220,16 @@ def test_without_the_automaton_the_regex_prefilter_finds_the_same() -> None:
     assert [e.kind for e in fast_events] == ["comm_timeout", "nan", "oom"]
     assert slow_events == fast_events
     assert repr(slow_metrics) == repr(fast_metrics)  # nan != nan
+
+
+def test_healthy_iteration_lines_never_reach_the_line_rules(tmp_path: Path) -> None:
+    """The literal prefilter keeps the per-line work for metric lines only (speed guard)."""
+    run = TrainingRun(tmp_path, ranks=1, epochs=3, iters=40, nan_at=None)
+    data = run.write()[0].read_bytes()
+    lines = data.count(b"\n")
+    candidates, chunk_hits = DETECTOR._c.scan(data)
+    assert len(chunk_hits) >= 120  # every iteration line reaches its chunk rule...
+    assert len(candidates) <= 0.05 * lines  # ...and (nearly) nothing else is looked at
+    events, metrics = DETECTOR.feed(data, 0, StreamState(), "rank0.log")
+    assert events == []
+    assert len(metrics) == 120
