@@ -687,7 +687,8 @@ class Detector:
         b = blocks[found]
         if found in f.opened:
             idx = f.opened[found]
-            stronger = prio > f.prios[idx]
+            # ties go to the later line: the final exception line of a traceback says most
+            stronger = prio >= f.prios[idx]
             merged = _merge(f.events[idx], ev, stronger)
             f.events[idx] = merged
             if stronger:

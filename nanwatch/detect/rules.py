@@ -40,7 +40,8 @@ Optional rule keys (all backward compatible):
   of one traceback, an HCCL error block, a watchdog message and its follow-ups: same kind
   family, same rank, a few lines apart, no iteration line between them) become ONE event: it
   keeps the position of the first line, takes its kind and message from the highest-priority
-  line, and missing attributes and fields from every line.
+  line (the last one among equals: a traceback's final exception line), and missing attributes
+  and fields from every line.
 - ``lines`` (int, default 1): the pattern sees this many lines joined with ``\n`` (prefixes
   stripped), for records printed over several lines (torchrun's failure summary).
 - ``set`` on an event rule sets attributes of the event (``set = { stage = "val" }``).
