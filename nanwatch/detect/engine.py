@@ -724,10 +724,10 @@ class Detector:
 
 
 class _Missing(dict[str, Any]):
-    """Message templates name groups that some lines lack: show them as "?"."""
+    """Message templates name groups that some lines lack: say so."""
 
     def __missing__(self, key: str) -> str:
-        return "?"
+        return "unknown"
 
 
 def _merge(old: Event, new: Event, stronger: bool) -> Event:
