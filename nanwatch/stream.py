@@ -7,7 +7,7 @@ stage, epoch, iteration and line count it had.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -26,6 +26,11 @@ class StreamState:
     step: int | None = None
     hint_stage: str | None = None
     hint_line: int = 0
+    hint_rank: int | None = None  # a rank named by a nearby error line (RankID:8)
+    hint_rank_line: int = 0
+    progress_line: int = 0  # the last iteration line: failure reports do not span it
+    # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
+    blocks: dict[str, list[Any]] = field(default_factory=dict)
     last_time: str | None = None
     line_no: int = 0  # complete lines consumed before the committed offset
     # structured readers (msprobe CSV / dumps): header, row position, family counts; replaced,
@@ -33,7 +38,7 @@ class StreamState:
     msprobe: dict[str, Any] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, 0)})
+        return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, 0, {})})
 
     @classmethod
     def from_json(cls, text: str | None) -> StreamState:

@@ -47,14 +47,17 @@ def scan(db: Path, *paths: Path) -> Pipeline:
 
 
 def events(db: Path) -> list[dict[str, Any]]:
+    """Tensor findings (msprobe CSV rows, dumps, alert lines); the training script's own
+    `loss nan` prints are detected too, by the text rules, and left out here."""
     conn = sqlite3.connect(db)
     try:
         rows = conn.execute("SELECT rank, step, fields, key, offset FROM events ORDER BY id")
-        return [
+        out = [
             {"rank": r, "step": s, "key": k, "offset": o, **json.loads(f)} for r, s, f, k, o in rows
         ]
     finally:
         conn.close()
+    return [e for e in out if "via" in e]
 
 
 def incident(db: Path) -> dict[str, Any]:

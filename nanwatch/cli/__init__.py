@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "shapes",
         "List a checkpoint's parameters of a shape, with their modules.",
     ),
+    "rules": ("rules", "rules", "List the detection rules (shipped and site packs)."),
+    "explain": ("rules", "explain", "Show which rules match a log line and the event it gives."),
 }
 
 

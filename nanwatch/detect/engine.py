@@ -3,23 +3,44 @@
 The hot path works on whole chunks of bytes: chunk rules (iteration lines that occur on every
 step) run with one ``finditer`` over the chunk, and one literal prefilter finds the few other
 lines worth a closer look. Lines that match neither cost nothing but a newline count.
+
+A failure is usually reported over several lines (a traceback, an HCCL error block, a watchdog
+message and its follow-ups). Detections of one report become one event (see ``_report``): the
+first line gives its position, the highest-priority line its kind and message, every line its
+missing attributes and fields. Reports are tracked per rank in the stream state, so a report
+split over two chunks is still one event.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import signal as _signal
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import ATTRIBUTES, Event, Metric
+from ..events import DEVICES, Event, Metric
 from ..stream import StreamState
 from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
 from .timestamps import TimeParser
 
 _NAMED = re.compile(r"\(\?P<\w+>")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# A line that starts a record of its own, never the wrapped tail of the line before it.
+_NEW_RECORD = re.compile(
+    r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
+    r"During handling|The above exception|Exception raised from"
+)
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
+RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
+BLOCK_LINES = 40  # lines within which detections of one family are one failure report
+WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
+_FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
+_INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
+_MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
+_DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
 
 
 def decode_line(raw: bytes) -> str:
@@ -38,19 +59,59 @@ def decode_line(raw: bytes) -> str:
     return text.rstrip("\r\n")
 
 
-class _Compiled:
-    """Per-RuleSet precomputation shared by every stream."""
+def _device(value: Any) -> str | None:
+    v = str(value).strip().lower()
+    v = _DEVICE_ALIASES.get(v, v)
+    return v if v in DEVICES else None
 
-    def __init__(self, rules: RuleSet) -> None:
+
+class _Compiled:
+    """Per-RuleSet precomputation shared by every stream.
+
+    Every rule's literals go into one Aho-Corasick automaton (``ahocorasick_rs``, hundreds of
+    MB/s whatever the number of literals); a line none of them occurs in is never looked at.
+    Without the package a regex alternation does the same job, much more slowly.
+    """
+
+    def __init__(self, rules: RuleSet, *, automaton: bool = True) -> None:
         self.rules = rules
         self.chunk_rules = [r for r in rules.rules if r.chunk]
         self.line_rules = [r for r in rules.rules if not r.chunk]
-        lits = sorted({lit for r in self.line_rules for lit in r.literals}, key=len, reverse=True)
-        self.prefilter = (
-            re.compile(b"|".join(re.escape(lit.encode("utf-8")) for lit in lits)) if lits else None
-        )
+        lits = sorted({lit.encode("utf-8") for r in rules.rules for lit in r.literals})
+        self.literals = lits
+        # literal index -> (does a line rule use it, the chunk rules that use it)
+        self.lit_line = [any(lit.decode() in r.literals for r in self.line_rules) for lit in lits]
+        self.lit_chunk = [
+            tuple(i for i, r in enumerate(self.chunk_rules) if lit.decode() in r.literals)
+            for lit in lits
+        ]
+        self.ac: Any = None
+        self.prefilter: Any = None
+        if automaton and lits:
+            try:
+                import ahocorasick_rs
+
+                self.ac = ahocorasick_rs.BytesAhoCorasick(lits)
+            except ImportError:  # pragma: no cover - a platform without the wheel
+                self.ac = None
+        if self.ac is None and lits:
+            by_len = sorted(lits, key=len, reverse=True)
+            self.prefilter = re.compile(b"|".join(re.escape(lit) for lit in by_len))
+            self.lit_index = {lit: i for i, lit in enumerate(lits)}
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
-        self.event_rules = [r for r in self.line_rules if r.type == "event"]
+        # first match wins: higher priority first, load order (site packs first) among equals
+        self.event_rules = sorted(
+            (r for r in self.line_rules if r.type == "event"), key=lambda r: -r.priority
+        )
+        # literal index -> positions of the rules that use it (a line only tries those)
+        self.lit_ctx = [
+            tuple(i for i, r in enumerate(self.context_rules) if lit.decode() in r.literals)
+            for lit in lits
+        ]
+        self.lit_ev = [
+            tuple(i for i, r in enumerate(self.event_rules) if lit.decode() in r.literals)
+            for lit in lits
+        ]
         # One cheap bytes check tells whether a chunk-rule line carries a prefix at all.
         alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in rules.prefixes]
         self.any_prefix: Any = None
@@ -63,12 +124,60 @@ class _Compiled:
 
                 self.any_prefix = regex.compile(raw, regex.V0)
 
+    def scan(self, chunk: bytes) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+        """Starts of the lines worth a look: for line rules, and per chunk rule."""
+        if self.ac is not None:
+            found = self.ac.find_matches_as_indexes(chunk, overlapping=True)
+        elif self.prefilter is not None:
+            # overlapping occurrences are found by restarting one byte after each hit
+            found = []
+            pos = 0
+            while True:
+                m = self.prefilter.search(chunk, pos)
+                if m is None:
+                    break
+                found.append((self.lit_index[m.group()], m.start(), m.end()))
+                pos = m.start() + 1
+        else:
+            found = []
+        candidates: dict[int, set[int]] = {}  # line start -> literals found in it
+        chunk_hits: dict[int, set[int]] = {}
+        line_start = line_end = -1
+        for idx, s, _ in found:
+            if not line_start <= s < line_end:
+                line_start = chunk.rfind(b"\n", 0, s) + 1
+                line_end = chunk.find(b"\n", s)
+                if line_end < 0:
+                    line_end = len(chunk)
+            if self.lit_line[idx]:
+                candidates.setdefault(line_start, set()).add(idx)
+            if self.lit_chunk[idx]:
+                chunk_hits.setdefault(line_start, set()).update(self.lit_chunk[idx])
+        return candidates, chunk_hits
+
+
+@dataclass
+class _Feed:
+    """Scratch space of one ``feed`` call."""
+
+    chunk: bytes
+    base: int
+    file: str | None
+    events: list[Event] = field(default_factory=list)
+    metrics: list[Metric] = field(default_factory=list)
+    opened: dict[str, int] = field(default_factory=dict)  # report key -> index in events
+    prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
+    skip_to: int = -1  # lines consumed by a multi-line match end here
+    first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
+
 
 class Detector:
     """Applies a RuleSet to streams. Stateless itself: each stream passes its StreamState."""
 
-    def __init__(self, rules: RuleSet, *, default_year: int | None = None) -> None:
-        self._c = _Compiled(rules)
+    def __init__(
+        self, rules: RuleSet, *, default_year: int | None = None, automaton: bool = True
+    ) -> None:
+        self._c = _Compiled(rules, automaton=automaton)
         self.rules = rules
         self.times = TimeParser(default_year)
 
@@ -82,32 +191,28 @@ class Detector:
         Updates ``state`` in place (line count, context) and returns what the lines yield.
         """
         c = self._c
+        candidates, chunk_hits = c.scan(chunk)
+        # chunk rules: one bytes match on each line that holds one of their literals
         hits: dict[int, list[tuple[Rule, Any]]] = {}
-        for rule in c.chunk_rules:
-            assert rule.chunk_cre is not None
-            for m in rule.chunk_cre.finditer(chunk):
-                start = chunk.rfind(b"\n", 0, m.start()) + 1
-                hits.setdefault(start, []).append((rule, m))
-        candidates: set[int] = set()
-        if c.prefilter is not None:
-            last_end = -1
-            for m in c.prefilter.finditer(chunk):
-                p = m.start()
-                if p < last_end:
-                    continue
-                start = chunk.rfind(b"\n", 0, p) + 1
-                end = chunk.find(b"\n", p)
-                last_end = len(chunk) if end < 0 else end
-                candidates.add(start)
-        events: list[Event] = []
-        metrics: list[Metric] = []
+        for start, idxs in chunk_hits.items():
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                end = len(chunk)
+            for i in sorted(idxs):
+                rule = c.chunk_rules[i]
+                assert rule.chunk_cre is not None
+                m = rule.chunk_cre.search(chunk, start, end)
+                if m is not None:
+                    hits.setdefault(start, []).append((rule, m))
         if not hits and not candidates:
             state.line_no += chunk.count(b"\n")
-            return events, metrics
-        order = sorted(hits.keys() | candidates)
+            return [], []
+        # the pipeline hands shallow copies of a state around: never mutate a shared dict
+        state.blocks = {k: list(v) for k, v in state.blocks.items()}
+        f = _Feed(chunk, base_offset, file)
         line_no = state.line_no
         pos = 0
-        for start in order:
+        for start in sorted(hits.keys() | candidates):
             line_no += chunk.count(b"\n", pos, start)
             pos = start
             end = chunk.find(b"\n", start)
@@ -115,63 +220,124 @@ class Detector:
                 end = len(chunk)
             this_line = line_no + 1
             prefix_attrs: dict[str, Any] = {}
-            text: str | None = None
-            is_candidate = start in candidates
+            text = raw = ""
+            is_candidate = start in candidates and start >= f.skip_to
+            no_epoch = state.epoch is None
             if is_candidate or (c.any_prefix is not None and c.any_prefix.match(chunk, start)):
-                text = decode_line(chunk[start:end])
-                text, prefix_attrs = self._strip_prefixes(text)
+                raw = decode_line(chunk[start:end])
+                text, prefix_attrs = self._strip_prefixes(raw)
             for rule, m in hits.get(start, ()):
                 self._apply_chunk_rule(
-                    rule, m, state, base_offset + start, this_line, prefix_attrs, metrics
+                    rule, m, state, base_offset + start, this_line, prefix_attrs, f.metrics, chunk
                 )
             if is_candidate:
-                assert text is not None
-                ev = self._line(
-                    text, prefix_attrs, state, this_line, base_offset + start, file, metrics
-                )
-                if ev is not None:
-                    events.append(ev)
+                present = candidates[start]
+                self._line(text, raw, prefix_attrs, state, this_line, start, end, f, present)
+            if no_epoch and state.epoch is not None and f.first_epoch is None:
+                f.first_epoch = (this_line, state.epoch)
         state.line_no += chunk.count(b"\n")
-        return events, metrics
+        if f.first_epoch is not None:
+            # a report printed before the stream named any epoch belongs to the epoch that the
+            # progress lines right after it name
+            at, epoch = f.first_epoch
+            f.events = [
+                dataclasses.replace(e, epoch=epoch)
+                if e.epoch is None and e.line is not None and 0 < at - e.line <= BLOCK_LINES
+                else e
+                for e in f.events
+            ]
+        # nanwatch follows training runs: a stream says when it validates or tests
+        events = [e if e.stage else dataclasses.replace(e, stage="train") for e in f.events]
+        return events, f.metrics
 
-    def explain(self, line: str) -> list[dict[str, Any]]:
-        """Which rules match ``line`` and what they extract (for ``nanwatch explain``)."""
-        out: list[dict[str, Any]] = []
-        text, prefix_attrs = self._strip_prefixes(decode_line(line.encode("utf-8")))
-        for p in self.rules.prefixes:
-            if p.cre.match(decode_line(line.encode("utf-8"))):
-                out.append({"rule": p.id, "type": "prefix", "pack": p.pack, "values": prefix_attrs})
-                break
-        for r in self.rules.rules:
-            if not any(lit in text for lit in r.literals):
-                continue
-            m = r.cre.search(text)
-            if m:
-                vals = {k: v for k, v in m.groupdict().items() if v is not None}
-                out.append(
-                    {"rule": r.id, "type": r.type, "kind": r.kind, "pack": r.pack, "values": vals}
-                )
-        return out
+    def explain(self, text: str) -> dict[str, Any]:
+        """Which rules match ``text`` (one or more lines) and the events it gives."""
+        matches: list[dict[str, Any]] = []
+        for raw_line in text.splitlines() or [""]:
+            line = decode_line(raw_line.encode("utf-8"))
+            stripped, prefix_attrs = self._strip_prefixes(line)
+            if prefix_attrs or stripped != line:
+                for p in self.rules.prefixes:
+                    if p.cre.match(line):
+                        matches.append(
+                            {"rule": p.id, "type": "prefix", "pack": p.pack, "values": prefix_attrs}
+                        )
+                        break
+            for r in self.rules.rules:
+                if not any(lit in stripped for lit in r.literals):
+                    continue
+                m = r.cre.search(stripped)
+                if m:
+                    vals = {k: v for k, v in m.groupdict().items() if v is not None}
+                    matches.append(
+                        {
+                            "rule": r.id,
+                            "type": "hint" if r.hint else r.type,
+                            "kind": r.kind,
+                            "pack": r.pack,
+                            "priority": r.priority,
+                            "values": vals,
+                        }
+                    )
+        state = StreamState()
+        data = "".join(x + "\n" for x in text.splitlines()).encode("utf-8")
+        events, metrics = self.feed(data, 0, state, None)
+        return {
+            "matches": matches,
+            "events": [dataclasses.asdict(e) for e in events],
+            "metrics": [dataclasses.asdict(m) for m in metrics],
+            "state": {
+                k: getattr(state, k)
+                for k in ("stage", "epoch", "iter", "step", "rank")
+                if getattr(state, k) is not None
+            },
+        }
 
     # -- internals -------------------------------------------------------------------------------
 
     def _strip_prefixes(self, text: str) -> tuple[str, dict[str, Any]]:
         attrs: dict[str, Any] = {}
-        for _ in range(3):
+        for _ in range(4):
             for p in self.rules.prefixes:
                 m = p.cre.match(text)
                 if m and m.end() > 0:
                     for k, v in m.groupdict().items():
-                        if v is not None and k in ATTRIBUTES:
-                            attrs.setdefault(k, int(v) if k in ("rank", "local_rank") else v)
+                        if v is None or k.startswith("_"):
+                            continue
+                        if k in ("rank", "local_rank"):
+                            attrs.setdefault(k, int(v))
+                        elif k in ("node", "device"):
+                            attrs.setdefault(k, v)
                     text = text[m.end() :]
                     break
             else:
                 break
         return text, attrs
 
+    def _following(self, chunk: bytes, end: int, n: int) -> list[tuple[str, int]]:
+        """Up to ``n`` lines after the one ending at ``end``: (text without prefixes, end)."""
+        out: list[tuple[str, int]] = []
+        pos = end
+        while len(out) < n and pos < len(chunk):
+            start = pos + 1
+            if start > len(chunk):
+                break
+            nxt = chunk.find(b"\n", start)
+            if nxt < 0:
+                nxt = len(chunk)
+            if start == nxt and start == len(chunk):
+                break
+            text, _ = self._strip_prefixes(decode_line(chunk[start:nxt]))
+            out.append((text, nxt))
+            pos = nxt
+        return out
+
     def _set_state(
-        self, state: StreamState, values: Mapping[str, Any], line_no: int, hint: bool
+        self,
+        state: StreamState,
+        values: Mapping[str, Any],
+        line_no: int,
+        hint: bool,
     ) -> None:
         stage = values.get("stage")
         if stage is not None:
@@ -180,6 +346,13 @@ class Detector:
             if stage:
                 state.hint_stage = stage
                 state.hint_line = line_no
+            rank = values.get("rank")
+            if rank is not None:
+                try:
+                    state.hint_rank = int(rank)
+                    state.hint_rank_line = line_no
+                except (TypeError, ValueError):
+                    pass
             return
         if stage:
             if stage != state.stage:
@@ -203,6 +376,15 @@ class Detector:
             elif state.iter is not None and state.epoch is None:
                 state.step = state.iter
 
+    @staticmethod
+    def _progress(state: StreamState, line_no: int) -> None:
+        """An iteration line: earlier failure reports and traceback hints are over."""
+        state.progress_line = line_no
+        state.hint_stage = None
+        state.hint_rank = None
+        if state.blocks:
+            state.blocks = {}
+
     def _apply_chunk_rule(
         self,
         rule: Rule,
@@ -212,6 +394,7 @@ class Detector:
         line_no: int,
         prefix_attrs: Mapping[str, Any],
         metrics: list[Metric],
+        chunk: bytes = b"",
     ) -> None:
         g = {
             k: (v.decode("utf-8", "replace") if v is not None else None)
@@ -220,7 +403,13 @@ class Detector:
         values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
         values.update(rule.set)
         self._set_state(state, values, line_no, rule.hint)
+        if rule.progress:
+            self._progress(state, line_no)
         ts = g.get("ts")
+        if ts is None and chunk:
+            # the line's own timestamp, from its head (chunk patterns start at their literal)
+            start = chunk.rfind(b"\n", 0, m.start()) + 1
+            ts = chunk[start : min(m.start(), start + 80)].decode("utf-8", "replace")
         when = self.times.parse(ts) if ts else None
         if when:
             state.last_time = when
@@ -242,7 +431,9 @@ class Detector:
             v: float | None = None
             if raw is not None:
                 try:
-                    v = float(raw)
+                    v = float(raw.strip().rstrip(",|"))
+                    if group.endswith("_ms"):
+                        v /= 1000.0
                 except ValueError:
                     v = None
             vals[name] = v
@@ -261,45 +452,108 @@ class Detector:
     def _line(
         self,
         text: str,
+        raw: str,
         prefix_attrs: Mapping[str, Any],
         state: StreamState,
         line_no: int,
-        offset: int,
-        file: str | None,
-        metrics: list[Metric],
-    ) -> Event | None:
+        start: int,
+        end: int,
+        f: _Feed,
+        present: set[int] | None = None,
+    ) -> None:
+        c = self._c
+        if present is None:
+            ctx_rules, ev_rules = c.context_rules, c.event_rules
+        else:
+            ctx_ids: set[int] = set()
+            ev_ids: set[int] = set()
+            for idx in present:
+                ctx_ids.update(c.lit_ctx[idx])
+                ev_ids.update(c.lit_ev[idx])
+            ctx_rules = [c.context_rules[i] for i in sorted(ctx_ids)]
+            ev_rules = [c.event_rules[i] for i in sorted(ev_ids)]
         when: str | None = None
-        for rule in self._c.context_rules:
-            if not any(lit in text for lit in rule.literals):
+        ctx_text = text
+        if "\r" in text:
+            # a progress bar redrawn with \r: its context is the last update; event patterns
+            # never cross from one update to the next
+            parts = [p for p in text.split("\r") if p.strip()]
+            ctx_text = parts[-1] if parts else ""
+            text = text.replace("\r", "\n")
+        for rule in ctx_rules:
+            if not any(lit in ctx_text for lit in rule.literals):
                 continue
-            m = rule.cre.search(text)
+            m = rule.cre.search(ctx_text)
             if m is None:
                 continue
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
             self._set_state(state, values, line_no, rule.hint)
+            if rule.progress:
+                self._progress(state, line_no)
+            elif rule.hint and state.hint_stage and state.hint_line == line_no:
+                self._late_stage(state.hint_stage, prefix_attrs.get("rank"), line_no, f)
             if g.get("ts"):
                 when = self.times.parse(g["ts"])
                 if when:
                     state.last_time = when
             if rule.metrics:
-                metrics.append(self._metric(rule, g, state, offset, when, prefix_attrs))
-        for rule in self._c.event_rules:
+                metrics_offset = f.base + start
+                f.metrics.append(self._metric(rule, g, state, metrics_offset, when, prefix_attrs))
+        for rule in ev_rules:
             if not any(lit in text for lit in rule.literals):
                 continue
-            if rule.all_matches:
-                ms = list(rule.cre.finditer(text))
-                if not ms:
-                    continue
-                m = ms[0]
+            found = self._match(rule, text, end, f.chunk)
+            if found is None:
+                continue
+            m, ms, matched, used_end = found
+            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
+            if rule.alone:
+                f.events.append(ev)
             else:
-                m = rule.cre.search(text)
-                if m is None:
-                    continue
-                ms = [m]
-            return self._event(rule, m, ms, text, prefix_attrs, state, line_no, offset, file, when)
-        return None
+                self._report(ev, rule.priority, state, line_no, f)
+            if used_end > end:
+                f.skip_to = used_end
+            return
+
+    def _match(
+        self, rule: Rule, text: str, end: int, chunk: bytes
+    ) -> tuple[Any, list[Any], str, int] | None:
+        """Match one rule at a line; multi-line rules and hard-wrapped lines see what follows."""
+        if rule.lines > 1:
+            more = self._following(chunk, end, rule.lines - 1)
+            joined = "\n".join([text, *(t for t, _ in more)])
+            m = rule.cre.search(joined)
+            if m is None or m.start() > len(text):
+                return None
+            used = joined.count("\n", 0, m.end())
+            return m, [m], joined, more[used - 1][1] if used else end
+        ms = list(rule.cre.finditer(text)) if rule.all_matches else []
+        m = ms[0] if ms else (None if rule.all_matches else rule.cre.search(text))
+        if len(text) >= WRAP_MIN and (m is None or m.end() >= len(text) - 40):
+            more = self._following(chunk, end, 1)
+            if more and not _NEW_RECORD.match(more[0][0]):
+                joined = text + more[0][0]
+                m2 = rule.cre.search(joined)
+                if (
+                    m2 is not None
+                    and m2.start() < len(text) <= m2.end()
+                    and (m is None or m2.end() > m.end())
+                ):
+                    ms2 = list(rule.cre.finditer(joined)) if rule.all_matches else [m2]
+                    return m2, ms2, joined, more[0][1]
+        if m is None:
+            return None
+        return m, ms or [m], text, end
+
+    def _late_stage(self, stage: str, rank: Any, line_no: int, f: _Feed) -> None:
+        """Frames printed after the report's first line (IPython): they name its stage too."""
+        for idx in f.opened.values():
+            ev = f.events[idx]
+            near = ev.stage is None and line_no - (ev.line or 0) <= BLOCK_LINES
+            if near and (rank is None or ev.rank is None or ev.rank == rank):
+                f.events[idx] = dataclasses.replace(ev, stage=stage)
 
     def _event(
         self,
@@ -307,36 +561,45 @@ class Detector:
         m: Any,
         ms: list[Any],
         text: str,
+        raw: str,
         prefix_attrs: Mapping[str, Any],
         state: StreamState,
         line_no: int,
-        offset: int,
-        file: str | None,
-        when: str | None,
+        f: _Feed,
+        start: int,
     ) -> Event:
         g = {k: v for k, v in m.groupdict().items() if v is not None}
         attrs: dict[str, Any] = {}
         fields: dict[str, Any] = dict(rule.const)
-        for k, v in g.items():
+        for k, v in [*rule.set.items(), *g.items()]:
             if k.startswith("_") or k in ("ts", "iters"):
                 continue
-            if k in ATTRIBUTES:
-                if k in ("rank", "local_rank", "epoch", "iter", "step"):
-                    try:
-                        attrs[k] = int(v)
-                    except ValueError:
-                        continue
-                elif k == "stage":
-                    st = normalize_stage(v)
-                    if st:
-                        attrs[k] = st
-                elif k == "device":
-                    attrs[k] = v.lower()
-                else:
-                    attrs[k] = v
+            if k in _INT_ATTRS:
+                try:
+                    attrs[k] = int(v)
+                except (TypeError, ValueError):
+                    continue
+            elif k == "stage":
+                st = normalize_stage(str(v))
+                if st:
+                    attrs[k] = st
+            elif k == "device":
+                dev = _device(v)
+                if dev:
+                    attrs[k] = dev
+            elif k == "node":
+                attrs[k] = str(v)
             else:
                 typ = rule.types.get(k) or FIELD_TYPES.get(k, "str")
-                fields[k] = convert(v, typ)
+                fields[k] = convert(v, typ) if isinstance(v, str) else v
+        if isinstance(fields.get("backend"), str):
+            fields["backend"] = fields["backend"].lower()
+        code = fields.get("exit_code")
+        if isinstance(code, int) and code < 0 and "signal" not in fields:
+            try:
+                fields["signal"] = _signal.Signals(-code).name
+            except ValueError:
+                pass
         if rule.all_matches and len(ms) > 1:
             for k in list(fields):
                 vals = []
@@ -346,11 +609,12 @@ class Detector:
                         vals.append(val)
                 if len(vals) > 1:
                     fields[k + "s"] = vals
+        when: str | None = None
         ts = g.get("ts")
         if ts:
             when = self.times.parse(ts)
         if when is None:
-            when = self.times.parse(text)
+            when = self.times.parse(text) or (self.times.parse(raw) if raw != text else None)
         if when is not None:
             state.last_time = when
         elif state.last_time:
@@ -362,25 +626,33 @@ class Detector:
             state.hint_stage = None
         if stage is None:
             stage = state.stage
+        rank = prefix_attrs.get("rank", attrs.get("rank"))
+        if rank is None and state.hint_rank is not None:
+            rank = state.hint_rank if line_no - state.hint_rank_line <= RANK_HINT_WINDOW else None
+        if rank is None:
+            rank = state.rank
+        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank", state.local_rank))
+        if rank is None and local_rank is not None:
+            rank = local_rank  # a local rank stands in when nothing names the global one
+        message = text.strip()
         if rule.message:
             try:
-                message = rule.message.format(**{**fields, **g})
-            except (KeyError, IndexError, ValueError):
+                # the text as printed ("2.00 GiB", "NCCL") reads better than the typed value
+                message = rule.message.format_map(_Missing({**fields, **g}))
+            except (KeyError, IndexError, ValueError, AttributeError):
                 message = text.strip()
-        else:
-            message = text.strip()
         if len(message) > MESSAGE_MAX:
             message = message[:MESSAGE_MAX] + "…"
-        device = attrs.get("device") or fields.pop("device", None) or state.device
+        device = attrs.get("device") or _device(prefix_attrs.get("device") or "") or state.device
         return Event(
             kind=str(rule.kind),
             message=message,
-            offset=offset,
+            offset=f.base + start,
             time=when,
-            file=file,
+            file=f.file,
             line=line_no,
-            rank=attrs.get("rank", prefix_attrs.get("rank", state.rank)),
-            local_rank=attrs.get("local_rank", prefix_attrs.get("local_rank", state.local_rank)),
+            rank=rank,
+            local_rank=local_rank,
             node=attrs.get("node", prefix_attrs.get("node", state.node)),
             epoch=attrs.get("epoch", state.epoch),
             iter=attrs.get("iter", state.iter),
@@ -389,3 +661,91 @@ class Detector:
             device=device,
             fields={"rule": rule.id, **fields},
         )
+
+    # -- failure reports -------------------------------------------------------------------------
+
+    def _report(self, ev: Event, prio: int, state: StreamState, line_no: int, f: _Feed) -> None:
+        """Add ``ev`` to the events, or fold it into the open report it belongs to."""
+        family = _FAMILY.get(ev.kind, ev.kind)
+        blocks = state.blocks
+        for k in [k for k, b in blocks.items() if line_no - b[1] > BLOCK_LINES]:
+            del blocks[k]
+            f.opened.pop(k, None)
+        key = "?" if ev.rank is None else str(ev.rank)
+
+        def usable(k: str) -> bool:
+            b = blocks.get(k)
+            return b is not None and b[0] == family and b[1] >= state.progress_line
+
+        found: str | None = None
+        if key != "?":
+            found = key if usable(key) else ("?" if usable("?") else None)
+        else:
+            same = [k for k in blocks if usable(k)]
+            if same:
+                found = max(same, key=lambda k: blocks[k][1])
+        if found is None:
+            self._open(ev, prio, key, family, line_no, blocks, f)
+            return
+        b = blocks[found]
+        if found in f.opened:
+            idx = f.opened[found]
+            # ties go to the later line: the final exception line of a traceback says most
+            stronger = prio >= f.prios[idx]
+            merged = _merge(f.events[idx], ev, stronger)
+            f.events[idx] = merged
+            if stronger:
+                f.prios[idx] = prio
+            new_key = "?" if merged.rank is None else str(merged.rank)
+            blocks.pop(found)
+            f.opened.pop(found)
+            blocks[new_key] = [family, line_no, f.prios[idx], merged.kind]
+            f.opened[new_key] = idx
+        elif prio > b[2] and ev.kind != b[3]:
+            # the report's first event was committed with an earlier chunk; a stronger line of
+            # another kind (an error that turns out to be a timeout) still gets its own event
+            blocks.pop(found)
+            self._open(ev, prio, key, family, line_no, blocks, f)
+        else:
+            b[1] = line_no
+
+    @staticmethod
+    def _open(
+        ev: Event,
+        prio: int,
+        key: str,
+        family: str,
+        line_no: int,
+        blocks: dict[str, list[Any]],
+        f: _Feed,
+    ) -> None:
+        f.events.append(ev)
+        idx = len(f.events) - 1
+        f.prios[idx] = prio
+        f.opened[key] = idx
+        blocks[key] = [family, line_no, prio, ev.kind]
+
+
+class _Missing(dict[str, Any]):
+    """Message templates name groups that some lines lack: say so."""
+
+    def __missing__(self, key: str) -> str:
+        return "unknown"
+
+
+def _merge(old: Event, new: Event, stronger: bool) -> Event:
+    """One report, two lines: keep the first line's place, fill what it did not say."""
+    upd: dict[str, Any] = {}
+    for a in _MERGED_ATTRS:
+        if getattr(old, a) is None and getattr(new, a) is not None:
+            upd[a] = getattr(new, a)
+    fields = dict(old.fields)
+    if stronger:
+        upd["kind"] = new.kind
+        upd["message"] = new.message
+        fields.update(new.fields)
+    else:
+        for k, v in new.fields.items():
+            fields.setdefault(k, v)
+    upd["fields"] = fields
+    return dataclasses.replace(old, **upd)

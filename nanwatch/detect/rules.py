@@ -30,7 +30,32 @@ such a pattern must not cross a newline.
 Named groups: ``rank, local_rank, node, epoch, iter, step, stage, device`` set the event's
 attributes, ``ts`` is the line's timestamp, ``iters`` the iterations per epoch, names starting
 with ``_`` are ignored, and any other group becomes a field, typed by ``types`` or by the
-vocabulary (``timeout_ms`` is an int, ``bytes_requested`` a byte size, ...).
+vocabulary (``timeout_ms`` is an int, ``bytes_requested`` a byte size, ...). ``backend`` and
+``device`` values are lower-cased; a negative ``exit_code`` adds its ``signal`` name.
+
+Optional rule keys (all backward compatible):
+
+- ``priority`` (int, default 0): event rules are tried on a line in decreasing priority (site
+  packs first among equals), the first match wins. Detections of one failure report (the lines
+  of one traceback, an HCCL error block, a watchdog message and its follow-ups: same kind
+  family, same rank, a few lines apart, no iteration line between them) become ONE event: it
+  keeps the position of the first line, takes its kind and message from the highest-priority
+  line (the last one among equals: a traceback's final exception line), and missing attributes
+  and fields from every line.
+- ``lines`` (int, default 1): the pattern sees this many lines joined with ``\n`` (prefixes
+  stripped), for records printed over several lines (torchrun's failure summary).
+- ``alone = true``: every matching line is a detection of its own, never folded into a failure
+  report (msprobe's alert lines: one line per tensor).
+- ``set`` on an event rule sets attributes of the event (``set = { stage = "val" }``).
+- ``const = { incident = false }``: the event is stored but opens no incident by itself.
+- context rules whose pattern has a ``loss``/``iter``/``step`` group or ``metrics`` mark an
+  iteration line: it closes open failure reports and clears traceback hints. A hint rule may
+  also name a ``rank`` (``RankID:8`` in an error line): it stands for the next events' rank.
+- metric groups named ``*_ms`` are converted to seconds.
+
+Lines are decoded as UTF-8 (GBK when that fails, else with replacement), ANSI colours are
+removed, ``\r``-glued progress updates are read as their last update for context, and a long
+line whose match continues on the next line (a terminal's hard wrap) is read joined.
 """
 
 from __future__ import annotations
@@ -73,6 +98,12 @@ FIELD_TYPES: dict[str, str] = {
     "baseline": "float",
     "current": "float",
     "loss_scale": "float",
+    "signum": "int",
+    "count": "int",
+    "rank_size": "int",
+    "num_nan": "int",
+    "num_inf": "int",
+    "heartbeat_timeout_s": "int",
 }
 _INT_ATTRS = {"rank", "local_rank", "epoch", "iter", "step"}
 _STATE_KEYS = {"stage", "epoch", "iter", "iters", "step", "rank", "local_rank", "node", "device"}
@@ -93,13 +124,19 @@ _STAGE_ALIASES = {
     "test": "test",
     "testing": "test",
     "predict": "test",
+    "prediction": "test",
+    "predicting": "test",
+    "validating": "val",
+    "sanity checking": "val",
+    "sanity": "val",
+    "dev": "val",
 }
 
 
 def normalize_stage(value: str | None) -> str | None:
     if value is None:
         return None
-    return _STAGE_ALIASES.get(value.strip().lower())
+    return _STAGE_ALIASES.get(value.strip().lower().rstrip(":"))
 
 
 _UNITS = {
@@ -186,6 +223,10 @@ class Rule:
     all_matches: bool = False
     examples: tuple[Example, ...] = ()
     groups: tuple[str, ...] = ()
+    priority: int = 0
+    lines: int = 1
+    alone: bool = False
+    progress: bool = False  # an iteration line: closes failure reports, clears hints
 
     @property
     def chunk(self) -> bool:
@@ -228,6 +269,9 @@ _RULE_KEYS = {
     "all",
     "example",
     "description",
+    "priority",
+    "lines",
+    "alone",
 }
 _EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "note"}
 
@@ -386,6 +430,19 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(
                     src, rid, f"const.{a}: attributes are set with groups or `set`, not const"
                 )
+        priority = raw.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise _fail(src, rid, f"priority must be an integer, got {priority!r}")
+        nlines = raw.get("lines", 1)
+        if not isinstance(nlines, int) or isinstance(nlines, bool) or not 1 <= nlines <= 20:
+            raise _fail(src, rid, f"lines must be an integer from 1 to 20, got {nlines!r}")
+        if nlines > 1 and raw.get("chunk"):
+            raise _fail(src, rid, "`lines` and `chunk = true` cannot be combined")
+        progress = (
+            rtype == "context"
+            and not raw.get("hint")
+            and (bool(metrics) or bool({"loss", "iter", "step"} & set(groups)))
+        )
         rs.rules.append(
             Rule(
                 id=rid,
@@ -406,6 +463,10 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 all_matches=bool(raw.get("all", False)),
                 examples=_examples(src, rid, raw.get("example")),
                 groups=groups,
+                priority=priority,
+                lines=nlines,
+                alone=bool(raw.get("alone", False)),
+                progress=progress,
             )
         )
 

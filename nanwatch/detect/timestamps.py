@@ -19,8 +19,9 @@ _FULL = re.compile(
     r"(?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
     r"(?:[.,](?P<frac>\d{1,9}))?(?:\.\d+)*(?P<tz>Z|[+-][01]\d:?[0-5]\d)?"
 )
+# glog, and c10's logger inside brackets with an unpadded month: "[E321 02:07:08.408271257 ..."
 _GLOG = re.compile(
-    r"^[IWEF](?P<mo>[01]\d)(?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
+    r"^\[?[IWEF](?P<mo>1[0-2]|0?[1-9])(?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
     r"(?:\.(?P<frac>\d{1,9}))?"
 )
 # "[10-12 14:07:33 ..." and mmengine's default datefmt "10/26 11:25:41 - mmengine - ..."

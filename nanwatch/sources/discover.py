@@ -148,6 +148,8 @@ def walk(root: Root) -> Iterator[str]:
 
 
 _RANK_RE = re.compile(r"(?:^|[^a-z0-9])rank[_-]?(\d{1,5})(?![0-9])", re.I)
+# Ascend log folders name the device ("device-6/", "device_6"): on one node it stands for the rank
+_DEVICE_RE = re.compile(r"(?:^|[^a-z0-9])(?:device|npu|gpu)[_-]?(\d{1,2})(?![0-9])", re.I)
 
 
 def rank_from_path(path: str, root_base: str | None = None) -> int | None:
@@ -156,6 +158,10 @@ def rank_from_path(path: str, root_base: str | None = None) -> int | None:
     parts = Path(rel).parts
     for part in reversed(parts):
         found = _RANK_RE.findall(part)
+        if found:
+            return int(found[-1])
+    for part in reversed(parts):
+        found = _DEVICE_RE.findall(part)
         if found:
             return int(found[-1])
     return None

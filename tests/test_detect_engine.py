@@ -1,0 +1,235 @@
+"""The detection engine on text as it really arrives: failure reports over several lines and
+chunks, interleaved ranks, progress bars, colours, wrapped lines, GBK bytes, metrics."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from nanwatch.detect import Detector, StreamState, load_rules
+from nanwatch.events import Event, Metric
+from nanwatch.simulate import TrainingRun
+
+DETECTOR = Detector(load_rules(), default_year=2026)
+
+HCCL_BLOCK = [
+    "[rank5]: Traceback (most recent call last):",
+    '[rank5]:   File "/opt/mmengine/runner/loops.py", line 107, in run',
+    '[rank5]:   File "/opt/torch/distributed/distributed_c10d.py", line 2501, in all_reduce',
+    "[rank5]:     work = group.allreduce([tensor], opts)",
+    "[rank5]: RuntimeError: InnerRunOpApi:torch_npu/csrc/framework/OpParamMaker.cpp:281 OPS "
+    "function error: HcclAllreduce, error code is 6",
+    "[rank5]: [ERROR] 2026-03-02-10:01:02 (PID:4242, Device:5, RankID:5) ERR01100 OPS call acl "
+    "api failed.",
+    "[rank5]: EI0002: [PID: 4242] 2026-03-02-10:01:02.444.436 The wait execution of the Notify "
+    "register times out. Reason: The Notify register has not received the Notify record from "
+    "remote rank: [6]. base information: [streamID:[3], taskID[81], taskType[Notify Wait], "
+    "tag[AllReduce_group_name_3]].",
+    "[rank5]:         Possible Cause: 1. An exception occurs during the execution on some NPUs.",
+]
+
+
+def feed(lines: list[str], state: StreamState | None = None) -> tuple[list[Event], list[Metric]]:
+    st = state if state is not None else StreamState()
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    return DETECTOR.feed(data, 0, st, "rank.log")
+
+
+def test_a_failure_report_is_one_event_with_the_strongest_line() -> None:
+    events, _ = feed(HCCL_BLOCK)
+    assert len(events) == 1
+    ev = events[0]
+    assert ev.kind == "comm_timeout"
+    assert ev.rank == 5
+    assert ev.line == 5  # where the report's first detection is
+    assert ev.fields["code"] == "EI0002"
+    assert ev.fields["remote_rank"] == 6
+    assert ev.fields["op"] == "AllReduce"  # the strongest line's fields win
+    assert ev.fields["backend"] == "hccl"
+    assert "EI0002" in ev.message
+
+
+def test_a_report_split_over_two_chunks_stays_one_failure() -> None:
+    state = StreamState()
+    first, _ = feed(HCCL_BLOCK[:5], state)
+    assert [e.kind for e in first] == ["comm_error"]
+    # the pipeline persists the state between chunks as JSON
+    state = StreamState.from_json(state.to_json())
+    second, _ = feed(HCCL_BLOCK[5:], state)
+    # the timeout line is stronger and of another kind: it is kept; nothing else is added
+    assert [e.kind for e in second] == ["comm_timeout"]
+    third, _ = feed(
+        ["[rank5]: EI0002: The wait execution of the Notify register times out."], state
+    )
+    assert third == []
+
+
+def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
+    events, _ = feed(
+        [
+            "[rank0]:[E321 02:07:08.408 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, "
+            "NumelOut=8, "
+            "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.",
+            "[rank4]:[E321 02:07:08.414 ProcessGroupNCCL.cpp:607] [Rank 4] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=15, OpType=ALLREDUCE, NumelIn=8, "
+            "NumelOut=8, "
+            "Timeout(ms)=600000) ran for 600067 milliseconds before timing out.",
+            "[rank0]:[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 0] Exception "
+            "(either an error or timeout) detected by watchdog at work: 15, last enqueued NCCL "
+            "work: 16, last "
+            "completed NCCL work: 14.",
+        ]
+    )
+    assert [(e.kind, e.rank) for e in events] == [("comm_timeout", 0), ("comm_timeout", 4)]
+    assert events[0].fields["last_completed"] == "14"
+    events, _ = feed(
+        [
+            "2026-11-30 10:00:05,100 - mmdet - INFO - Epoch [1][10/50]\tlr: 1.0e-04, eta: 0:10:00, "
+            "time: 0.5, data_time: 0.01, memory: 1000, loss_cls: nan, loss: nan",
+            "2026-11-30 10:00:10,100 - mmdet - INFO - Epoch [1][20/50]\tlr: 1.0e-04, eta: 0:10:00, "
+            "time: 0.5, data_time: 0.01, memory: 1000, loss_cls: nan, loss: nan",
+        ]
+    )
+    assert [(e.kind, e.iter) for e in events] == [("nan", 10), ("nan", 20)]
+
+
+def test_stage_from_frames_banners_and_bars_and_the_default() -> None:
+    events, _ = feed(["RuntimeError: CUDA error: out of memory"])
+    assert events[0].stage == "train"  # nothing says otherwise
+    events, _ = feed(
+        [
+            "***** Running Evaluation *****",
+            "  Num examples = 500",
+            "RuntimeError: CUDA error: out of memory",
+        ]
+    )
+    assert events[0].stage == "val"
+    # a traceback hint does not outlive the next iteration line
+    state = StreamState()
+    feed(['  File "x.py", line 3, in val_step', "ValueError: bad shape"], state)
+    events, _ = feed(
+        [
+            "2026/11/30 10:00:00 - mmengine - INFO - Epoch(train)  [2][5/10]  lr: 1.0e-04  "
+            "eta: 0:00:10  time: 0.5  data_time: 0.01  memory: 100  loss: 1.0",
+            "RuntimeError: CUDA error: out of memory",
+        ],
+        state,
+    )
+    assert (events[0].stage, events[0].epoch, events[0].iter) == ("train", 2, 5)
+
+
+def test_progress_bars_glued_with_carriage_returns() -> None:
+    bar = (
+        "Epoch 3:  10%|█         | 10/100 [00:02<00:18, loss=0.52]\r"
+        "Epoch 3:  20%|██        | 20/100 [00:04<00:16, loss=nan]\r"
+        "Validation DataLoader 0:  50%|█████     | 5/10 [00:01<00:01]"
+    )
+    state = StreamState()
+    events, _ = feed([bar], state)
+    assert [e.kind for e in events] == ["nan"]
+    assert state.stage == "val"  # the last update is where the run is now
+    assert state.epoch == 3
+
+
+def test_ansi_colours_gbk_and_broken_bytes() -> None:
+    state = StreamState()
+    data = (
+        b"\x1b[31m[rank2]: RuntimeError: NPU out of memory.\x1b[0m\n"
+        + "训练损失: loss: nan\n".encode("gbk")
+        + b"\xff\xfe garbage \xc3\x28 loss=inf\n"
+    )
+    events, _ = DETECTOR.feed(data, 100, state, "x.log")
+    # the two non-finite prints one line apart are one report
+    assert [(e.kind, e.rank) for e in events] == [("oom", 2), ("nan", None)]
+    assert events[1].message == "loss is inf"  # the later line of a report has the last word
+    assert events[0].offset == 100
+    assert "\x1b" not in events[0].message
+    assert state.line_no == 3
+
+
+def test_lines_of_no_interest_only_count() -> None:
+    state = StreamState()
+    lines = [f"INFO step {i} done, all good" for i in range(1000)]
+    events, metrics = feed(lines, state)
+    assert (events, metrics, state.line_no) == ([], [], 1000)
+
+
+def test_a_shallow_copy_of_the_state_is_never_changed() -> None:
+    state = StreamState()
+    feed(HCCL_BLOCK[:5], state)
+    before = state.to_json()
+    work = copy.copy(state)  # what the pipeline does for an unterminated last line
+    feed(HCCL_BLOCK[5:], work)
+    assert state.to_json() == before
+
+
+def test_metrics_of_hf_and_megatron_lines() -> None:
+    _, metrics = feed(
+        [
+            "{'loss': 1.2, 'grad_norm': 3.5, 'learning_rate': 2e-05, 'epoch': 0.1}",
+            " [2026-01-01 10:00:00] iteration      300/   1000 | consumed samples:  9600 | elapsed "
+            "time per iteration (ms): 1520.5 | learning rate: 3.0E-04 | global batch size:  32 | "
+            "lm loss: 2.5E+00 | loss scale: 1.0 | grad norm: 0.9 | number of skipped iterations:   "
+            "0 | number of nan iterations:   0 |",
+        ]
+    )
+    assert [(m.loss, m.grad_norm, m.lr) for m in metrics] == [(1.2, 3.5, 2e-05), (2.5, 0.9, 3e-4)]
+    assert metrics[1].step == 300
+    assert metrics[1].step_time == 1.5205
+
+
+def test_healthy_lines_of_every_family_stay_clean() -> None:
+    healthy = [
+        " iteration      182/  250000 | lm loss: 2.382640E+00 | loss scale: 1.0 | grad norm: 0.227 "
+        "| number of skipped iterations:   0 | number of nan iterations:   0 |",
+        "WARNING:tensorboardX.x2num:NaN or Inf found in input tensor.",
+        "[01:34:58.290992] Epoch: [0]  [20/1504]  lr: 0.000000  closs: 1.5362 (1.5382)  time: 4.5",
+        "host-1:1234:5678 [0] NCCL INFO Channel 00/02 :    0   1   2   3",
+        "host-1:1234:5678 [0] NCCL INFO comm 0x5581 rank 0 nranks 8 cudaDev 0 busId 1000 - Init "
+        "COMPLETE",
+        "dist_cfg = dict(backend='hccl', timeout=1800)",
+        "export HCCL_CONNECT_TIMEOUT=1200 HCCL_EXEC_TIMEOUT=1800",
+        "logging_nan_inf_filter=True,",
+        "2024/08/26 16:38:23 - mmengine - INFO - Epoch(train)  [1][200/953]  lr: 1.0043e-03  "
+        "eta: 5:34:07  time: 0.5117  data_time: 0.0025  memory: 5483  grad_norm: 227.8793  "
+        "loss: 4.6860",
+        "[2023-09-13 10:20:36,763] torch.distributed.run: [WARNING] Setting OMP_NUM_THREADS "
+        "environment variable for each process to be 1 in default",
+        "  fp16.loss_scale ................ 0",
+        "Best val loss: inf -> 0.532, saving checkpoint",
+        "torch.distributed.elastic.agent.server.api: [INFO] Done waiting for other agents. "
+        "Elapsed: 0.0012 seconds",
+        "Epoch 36/300, Step 4/4, step time: 23882.45 ms",
+    ]
+    events, _ = feed(healthy)
+    assert events == []
+
+
+def test_without_the_automaton_the_regex_prefilter_finds_the_same() -> None:
+    slow = Detector(load_rules(), default_year=2026, automaton=False)
+    lines = [
+        *HCCL_BLOCK,
+        "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 1e-05, 'epoch': 0.5}",
+        "2026/11/30 10:00:00 - mmengine - INFO - Epoch(val)  [2][5/10]    eta: 0:00:10  time: 0.5",
+        "RuntimeError: CUDA error: out of memory",
+    ]
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    fast_events, fast_metrics = DETECTOR.feed(data, 0, StreamState(), "x")
+    slow_events, slow_metrics = slow.feed(data, 0, StreamState(), "x")
+    assert [e.kind for e in fast_events] == ["comm_timeout", "nan", "oom"]
+    assert slow_events == fast_events
+    assert repr(slow_metrics) == repr(fast_metrics)  # nan != nan
+
+
+def test_healthy_iteration_lines_never_reach_the_line_rules(tmp_path: Path) -> None:
+    """The literal prefilter keeps the per-line work for metric lines only (speed guard)."""
+    run = TrainingRun(tmp_path, ranks=1, epochs=3, iters=40, nan_at=None)
+    data = run.write()[0].read_bytes()
+    lines = data.count(b"\n")
+    candidates, chunk_hits = DETECTOR._c.scan(data)
+    assert len(chunk_hits) >= 120  # every iteration line reaches its chunk rule...
+    assert len(candidates) <= 0.05 * lines  # ...and (nearly) nothing else is looked at
+    events, metrics = DETECTOR.feed(data, 0, StreamState(), "rank0.log")
+    assert events == []
+    assert len(metrics) == 120

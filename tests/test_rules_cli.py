@@ -1,0 +1,107 @@
+"""`nanwatch rules` and `nanwatch explain`, in-process and as a subprocess; broken site packs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from nanwatch.cli import cli
+
+from .conftest import nanwatch
+
+SITE_PACK = """
+[pack]
+id = "site"
+title = "Our trainer"
+
+[[rule]]
+id = "site.loss_exploded"
+kind = "nan"
+literals = ["LOSS EXPLODED"]
+pattern = 'LOSS EXPLODED at step (?P<step>\\d+)'
+[[rule.example]]
+line = "!!! LOSS EXPLODED at step 412"
+event = { kind = "nan", step = 412 }
+"""
+
+
+def _config(tmp_path: Path, pack: str) -> Path:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "ours.toml").write_text(pack, encoding="utf-8")
+    cfg = tmp_path / "nanwatch.toml"
+    cfg.write_text(f'[detect]\nrule_dirs = ["{site}"]\n', encoding="utf-8")
+    return cfg
+
+
+def test_rules_lists_shipped_and_site_packs(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, SITE_PACK)
+    res = CliRunner().invoke(cli, ["rules", "--json", "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    ids = {r["id"]: r for r in rows}
+    assert ids["site.loss_exploded"]["kind"] == "nan"
+    assert ids["nccl.watchdog_timeout"]["kind"] == "comm_timeout"
+    assert ids["amp.deepspeed_overflow"]["incident"] is False
+    assert ids["common.prefix.torchrun_rank"]["type"] == "prefix"
+    text = CliRunner().invoke(cli, ["rules", "--kind", "oom"])
+    assert text.exit_code == 0
+    assert "oom.torch_caching_allocator" in text.output
+    assert "nccl.watchdog_timeout" not in text.output
+
+
+def test_explain_a_line_and_stdin(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, SITE_PACK)
+    res = CliRunner().invoke(
+        cli, ["explain", "--config", str(cfg), "!!! LOSS EXPLODED at step 412"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "site.loss_exploded" in res.output
+    assert "step = 412" in res.output
+    block = (
+        '  File "/opt/mmengine/model/wrappers/distributed.py", line 141, in val_step\n'
+        "RuntimeError: NPU out of memory. Tried to allocate 2.00 GiB (NPU 3; 60.96 GiB total "
+        "capacity; 58.10 GiB already allocated; 1.20 GiB free)\n"
+    )
+    res = CliRunner().invoke(cli, ["explain", "--json", "-"], input=block)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert [e["kind"] for e in out["events"]] == ["oom"]
+    ev = out["events"][0]
+    assert ev["stage"] == "val"
+    assert ev["device"] == "npu"
+    assert ev["fields"]["device_index"] == 3
+    assert {m["rule"] for m in out["matches"]} >= {"common.hint.val_frame"}
+
+
+def test_explain_says_when_nothing_matches() -> None:
+    res = CliRunner().invoke(cli, ["explain", "Saving checkpoint at epoch 3"])
+    assert res.exit_code == 0
+    assert "No rule matches." in res.output
+
+
+def test_broken_site_pack_fails_at_start_naming_file_rule_and_reason(tmp_path: Path) -> None:
+    broken = SITE_PACK.replace("(?P<step>\\d+)", "(?P<step>\\d+")
+    cfg = _config(tmp_path, broken)
+    proc = nanwatch("rules", "--config", str(cfg), check=False)
+    assert proc.returncode == 1
+    assert "ours.toml" in proc.stderr
+    assert "site.loss_exploded" in proc.stderr
+    assert "does not compile" in proc.stderr
+    # scan and watch load the same packs: they refuse to start too
+    log = tmp_path / "train.log"
+    log.write_text("loss: nan\n", encoding="utf-8")
+    db = tmp_path / "db.sqlite"
+    proc = nanwatch("scan", "--config", str(cfg), "--db", str(db), str(log), check=False)
+    assert proc.returncode == 1
+    assert "site.loss_exploded" in proc.stderr
+
+
+def test_unknown_key_in_a_site_rule_names_the_nearest(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, SITE_PACK.replace("literals =", "literal ="))
+    res = CliRunner().invoke(cli, ["rules", "--config", str(cfg)])
+    assert res.exit_code == 1
+    assert "site.loss_exploded" in res.output
+    assert "did you mean 'literals'" in res.output
