@@ -82,6 +82,7 @@ class Watcher:
         self._structural = False
         self._observer: Any = None
         self.watched: set[str] = set()
+        self._handles: dict[str, Any] = {}
 
     def start(self) -> bool:
         """Start inotify watches; False when the system refuses (limits): the caller polls."""
@@ -115,7 +116,8 @@ class Watcher:
             if base in self.watched or not os.path.isdir(base):
                 continue
             try:
-                self._observer.schedule(self._handler, base, recursive=r.kind != "file")
+                handle = self._observer.schedule(self._handler, base, recursive=r.kind != "file")
+                self._handles[base] = handle
                 self.watched.add(base)
             except OSError as e:
                 log.warning("%s: cannot watch with inotify (%s); polling it", base, e)
@@ -126,6 +128,22 @@ class Watcher:
         """Roots that did not exist at start are watched once they appear."""
         if self._observer is not None:
             self._schedule_all()
+
+    def sync_roots(self) -> bool:
+        """After a reload: watch the roots' folders now listed, drop the ones no longer needed.
+
+        Starts inotify if it was not running; False when a watch could not be added.
+        """
+        if self._observer is None:
+            return self.start()
+        wanted = {r.base for r in self.roots}
+        for base in [b for b in self._handles if b not in wanted]:
+            try:
+                self._observer.unschedule(self._handles.pop(base))
+            except (KeyError, OSError):
+                pass
+            self.watched.discard(base)
+        return self._schedule_all()
 
     def _touch(self, event: Any) -> None:
         etype = getattr(event, "event_type", "")
