@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, wait_for
+from .conftest import NANWATCH, nanwatch, wait_for
 from .test_sources import nan_line, ok_line
 
 pytestmark = pytest.mark.slow
@@ -227,6 +227,10 @@ def test_metrics_wal_readers_and_no_torch(tmp_path: Path, logs: Path) -> None:
         assert reader.execute("SELECT count(*) FROM events").fetchone()[0] == 1  # its snapshot
         reader.execute("COMMIT")
         reader.close()
+
+        # doctor, beside the running service, reads its database and finds its metrics
+        out = nanwatch("doctor", "--config", str(config), "--db", str(daemon.db)).stdout
+        assert "nanwatch is serving metrics there" in out and "intact, schema" in out
 
         # the daemon never imports torch (installed here): no torch library is mapped
         assert importlib.util.find_spec("torch") is not None

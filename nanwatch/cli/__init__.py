@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "events": ("browse", "events", "List detected events, oldest first."),
     "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
     "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),
+    "doctor": ("doctor", "doctor", "Check this node can run the service; say how to fix it."),
 }
 
 
