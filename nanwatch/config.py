@@ -345,6 +345,10 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
 
 # --- secrets ------------------------------------------------------------------------------------
 
+# Credential names the unit passes with LoadCredential= (systemd/nanwatch.service).
+SLACK_TOKEN_CREDENTIAL = "slack-token"
+SLACK_WEBHOOK_CREDENTIAL = "slack-webhook"
+
 
 def read_secret(*, file: str | None, credential: str, env: str | None, key: str) -> str | None:
     """A secret (a token, a webhook URL) from the first place that has one, or None.

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
-from nanwatch.cli.doctor import inotify_verdict
+from nanwatch.cli._doctor_node import inotify_verdict
 from nanwatch.store import Store
 
 from .conftest import nanwatch
