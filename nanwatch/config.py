@@ -62,6 +62,18 @@ def parse_size(value: object, *, where: str = "size") -> int:
     raise ConfigError(f"{where}: expected a size such as 500MB or 4GB, got {value!r}")
 
 
+def parse_listen(value: str, *, where: str = "[metrics] listen") -> tuple[str, int]:
+    """``host:port`` (``[::1]:9464`` for IPv6, ``:9464`` for every interface)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(
+            f"{where} = {value!r}: expected host:port such as 127.0.0.1:9464 or [::1]:9464"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
 def default_db_path() -> Path:
     """``$NANWATCH_DB``, else the per-user state directory."""
     env = os.environ.get("NANWATCH_DB")
@@ -208,6 +220,13 @@ def _size(v: object, where: str, base: Path | None) -> object:
     return parse_size(v, where=where)
 
 
+def _listen(v: object, where: str, base: Path | None) -> object:
+    s = _str(v, where, base)
+    assert isinstance(s, str)
+    parse_listen(s, where=where)
+    return s
+
+
 def _mode(v: object, where: str, base: Path | None) -> object:
     if v not in ("auto", "inotify", "poll"):
         raise ConfigError(f"{where}: expected one of auto, inotify, poll; got {v!r}")
@@ -259,7 +278,7 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
         "routes": _routes,
     },
     "alertmanager": {"url": _urls, "urls": _urls},
-    "metrics": {"listen": _str},
+    "metrics": {"listen": _listen},
     "cluster": {"job": _str, "run": _str, "node": _str},
 }
 

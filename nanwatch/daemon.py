@@ -25,18 +25,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, load_config
 from .correlate import Change
 from .detect import RuleSet, load_rules
 from .errors import ConfigError, NanwatchError
-from .metrics import MetricsServer, NanwatchCollector, Snapshot, SourceSnap, parse_listen, serve
 from .notify.outbox import Sink
 from .pipeline import Pipeline
 from .sources import make_roots
 from .store import Store
 from .store.retention import Housekeeper
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer, NanwatchCollector
 
 log = logging.getLogger("nanwatch.daemon")
 
@@ -172,7 +174,6 @@ def preflight(
     (a sink refusing a section it cannot work with, e.g. [slack] without a token) raise from
     that part's constructor, called here through ``make_sinks``.
     """
-    where = str(config.path) if config.path else "<config>"
     targets = tuple(paths) or config.sources.paths
     if not targets:
         raise ConfigError(
@@ -185,8 +186,6 @@ def preflight(
             log.warning("%s: does not exist yet; it is followed once it appears", t)
     rules = load_rules(config.detect.rule_dirs)
     sinks = tuple(make_sinks(config))
-    if config.metrics.listen is not None:
-        parse_listen(config.metrics.listen, where=f"{where}: [metrics] listen")
     return Plan(config, targets, rules, sinks, config.metrics.listen)
 
 
@@ -219,6 +218,7 @@ class Service:
         self._ping_gap = min(1.0, (self.notifier.watchdog_interval or 4.0) / 4)
         self.stop = threading.Event()
         self.pipe: Pipeline | None = None
+        # prometheus_client is imported only when [metrics] asks for it
         self.metrics: MetricsServer | None = None
         self.collector: NanwatchCollector | None = None
         self.housekeeper: Housekeeper | None = None
@@ -249,9 +249,8 @@ class Service:
             # the WAL file shrinks back after checkpoints instead of keeping its peak size
             store.execute("PRAGMA journal_size_limit=67108864")
             self.housekeeper = Housekeeper(store, config.store)
-            self.collector = NanwatchCollector(db_path)
             if plan.listen is not None:
-                self.metrics = serve(plan.listen, self.collector, where=self._where("listen"))
+                self.metrics = self._serve(plan.listen)
                 self.listen = plan.listen
             pipe = Pipeline(
                 config,
@@ -375,6 +374,8 @@ class Service:
         if pipe is None or collector is None or (not force and now - self._last_snap < 1.0):
             return
         self._last_snap = now
+        from .metrics import Snapshot, SourceSnap
+
         collector.snapshot = Snapshot(
             mode=pipe.mode,
             events=dict(pipe.stats.events),
@@ -418,8 +419,15 @@ class Service:
 
     # -- reload ----------------------------------------------------------------------------------
 
-    def _where(self, key: str) -> str:
-        return f"{self.config_path or '<config>'}: [metrics] {key}"
+    def _serve(self, listen: str) -> MetricsServer:
+        from .metrics import NanwatchCollector, serve
+
+        if self.collector is None:
+            self.collector = NanwatchCollector(self.db_path)
+            self._publish(force=True)
+        return serve(
+            listen, self.collector, where=f"{self.config_path or '<config>'}: [metrics] listen"
+        )
 
     def _reload(self) -> None:
         pipe = self.pipe
@@ -431,8 +439,7 @@ class Service:
             config = load_config(self.config_path)
             plan = preflight(config, self.paths_arg, self.make_sinks)
             if plan.listen != self.listen and plan.listen is not None:
-                assert self.collector is not None
-                new_server = serve(plan.listen, self.collector, where=self._where("listen"))
+                new_server = self._serve(plan.listen)
         except NanwatchError as e:
             self.reloads["failed"] += 1
             log.error("reload refused, the running configuration stays: %s", e)

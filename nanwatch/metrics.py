@@ -26,22 +26,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import MetricsHandler
 
 from . import __version__
+from .config import parse_listen
 from .errors import ConfigError, StoreError
 from .store import Store
 
 log = logging.getLogger("nanwatch.metrics")
-
-
-def parse_listen(value: str, *, where: str = "[metrics] listen") -> tuple[str, int]:
-    """``host:port`` (``[::1]:9464`` for IPv6, ``:9464`` for every interface)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(
-            f"{where} = {value!r}: expected host:port such as 127.0.0.1:9464 or [::1]:9464"
-        )
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 @dataclass(frozen=True)

@@ -184,13 +184,18 @@ def test_read_secret_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         read_secret(file=str(f), **args)
 
 
-def test_store_sizes_in_config(tmp_path: Path) -> None:
+def test_service_keys_in_config(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     p.write_text('[store]\nkeep = "90d"\nmax_size = "2GiB"\n')
     assert load_config(p).store == StoreConfig(keep=90 * DAY, max_size=2 << 30)
     p.write_text('[store]\nmax_size = "lots"\n')
     with pytest.raises(ConfigError, match=r"\[store\] max_size: expected a size"):
         load_config(p)
+    p.write_text('[metrics]\nlisten = "9464"\n')
+    with pytest.raises(ConfigError, match=r"\[metrics\] listen = '9464': expected host:port"):
+        load_config(p)
+    p.write_text('[metrics]\nlisten = "[::1]:9464"\n')
+    assert load_config(p).metrics.listen == "[::1]:9464"
 
 
 def test_notifier_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

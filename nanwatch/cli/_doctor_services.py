@@ -237,8 +237,8 @@ def _unreachable(where: str, e: BaseException) -> Finding:
 
 
 def check_metrics(config: Any) -> Finding:
+    from ..config import parse_listen
     from ..errors import ConfigError
-    from ..metrics import parse_listen
 
     listen = config.metrics.listen
     if listen is None:

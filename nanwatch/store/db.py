@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from ..errors import StoreError
 from ..events import Event, Metric, now_utc
 from .schema import MIGRATIONS
@@ -61,8 +59,18 @@ class Store:
         self.path = path
         self.conn = conn
         self.readonly = readonly
-        self.db = sqlite_utils.Database(conn)
+        self._db: Any = None
         self._in_tx = False
+
+    @property
+    def db(self) -> Any:
+        """sqlite_utils' view of the connection, for scripts. Imported on first use: it imports
+        pandas and numpy when they are installed (50+ MB), which the daemon has no use for."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn)
+        return self._db
 
     # -- opening ---------------------------------------------------------------------------------
 
