@@ -128,6 +128,8 @@ def test_missing_sources_warn_and_nothing_to_watch_fails(node: Path) -> None:
     code, out = doctor("--config", str(cfg), "--db", str(node / "nw.db"))
     assert code == 0, out
     assert "later: does not exist yet" in out and "matches nothing yet" in out
+    code, out = doctor("--config", str(config(node)), "--db", str(node / "logs" / "nw.db"))
+    assert "lies under the source" in out and "nanwatch would follow its own files" in out
     cfg.write_text("[sources]\nmode = 'poll'\n")
     code, out = doctor("--config", str(cfg), "--db", str(node / "nw.db"))
     assert code == 1 and "nothing to watch" in out and "fix: list the training log folders" in out

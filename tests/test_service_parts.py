@@ -13,6 +13,7 @@ import pytest
 
 from nanwatch.config import Config, StoreConfig, load_config, read_secret
 from nanwatch.daemon import Notifier, setup_logging
+from nanwatch.detect import load_rules
 from nanwatch.errors import ConfigError
 from nanwatch.events import Event, Metric, format_utc
 from nanwatch.pipeline import Pipeline
@@ -22,6 +23,21 @@ from nanwatch.store.retention import Housekeeper
 from .test_sources import nan_line, ok_line
 
 DAY = 86400.0
+
+SITE_PACK = """
+[pack]
+id = "site"
+title = "This site's fatal lines"
+
+[[rule]]
+id = "site.fatal"
+kind = "process_failure"
+literals = ["SITE-FATAL"]
+pattern = 'SITE-FATAL: (?P<reason>.+)'
+[[rule.example]]
+line = "SITE-FATAL: the fabric manager died"
+event = { kind = "process_failure" }
+"""
 
 
 def _event(i: int) -> Event:
@@ -133,9 +149,10 @@ def test_max_size_trims_oldest_metrics_then_events(db: Path) -> None:
     store.close()
 
 
-def test_reconfigure_keeps_offsets(tmp_path: Path, db: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
+def test_reconfigure_keeps_offsets_and_swaps_rules(tmp_path: Path, db: Path) -> None:
+    runs = tmp_path / "runs"
+    a, b = runs / "a", runs / "b"
+    a.mkdir(parents=True)
     b.mkdir()
     (a / "rank0.log").write_text(nan_line(1) + ok_line(2))
     (b / "rank0.log").write_text(nan_line(3))
@@ -154,11 +171,21 @@ def test_reconfigure_keeps_offsets(tmp_path: Path, db: Path) -> None:
         pipe.step()
         assert pipe.stats.lines == 3  # a is not followed now
         # a's parent as a source: a's file comes back at its stored offset
-        pipe.reconfigure(Config(), [str(tmp_path)])
+        pipe.reconfigure(Config(), [str(runs)])
         pipe.step()
         assert pipe.stats.lines == 4
         rows = store.conn.execute("SELECT iter FROM events ORDER BY iter").fetchall()
         assert rows == [(1,), (3,), (4,)]
+        # new rules apply from the next line on
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "site.toml").write_text(SITE_PACK)
+        pipe.reconfigure(Config(), [str(runs)], rules=load_rules([site]))
+        with (b / "rank0.log").open("a") as f:
+            f.write("SITE-FATAL: the fabric manager died\n")
+        pipe.step()
+        kinds = store.conn.execute("SELECT kind FROM events ORDER BY id").fetchall()
+        assert kinds[-1] == ("process_failure",) and len(kinds) == 4
     finally:
         pipe.tracker.close()
         store.close()

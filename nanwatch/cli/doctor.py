@@ -115,7 +115,16 @@ def run_checks(config_path: Path | None, db: Path | None) -> Iterator[Finding]:
     if roots:
         yield check_inotify(dirs, instances)
         yield from check_filesystems(config, roots)
-    yield from check_database(db if db is not None else config.db_path(), config)
+    db_path = db if db is not None else config.db_path()
+    yield from check_database(db_path, config)
+    inside = [r.spec for r in roots if r.contains(os.path.abspath(db_path))]
+    if inside:
+        yield Finding(
+            "database",
+            "warn",
+            f"{db_path} lies under the source {inside[0]}: nanwatch would follow its own files",
+            "keep the database out of [sources] paths (the unit's /var/lib/nanwatch)",
+        )
     yield from check_slack(config)
     yield check_metrics(config)
 
