@@ -244,6 +244,13 @@ class Service:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        try:
+            self._run(config, plan, db_path)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _run(self, config: Config, plan: Plan, db_path: Path) -> None:
         store = Store.open(db_path)
         try:
             # the WAL file shrinks back after checkpoints instead of keeping its peak size
@@ -284,12 +291,10 @@ class Service:
                 self.notifier.send("STOPPING=1")
             if self.metrics is not None:
                 self.metrics.stop()
-            elif self.collector is not None:
+            if self.collector is not None:
                 self.collector.close()
             store.close()
             self.notifier.close()
-            for s, handler in old.items():
-                signal.signal(s, handler)
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         if not self._stopping:
@@ -368,10 +373,11 @@ class Service:
         )
 
     def _publish(self, *, force: bool = False) -> None:
-        """Hand the metrics server a fresh snapshot (at most once a second)."""
+        """Hand the metrics server a fresh snapshot (mid-pass: at most once a second)."""
         pipe, collector = self.pipe, self.collector
         now = time.monotonic()
-        if pipe is None or collector is None or (not force and now - self._last_snap < 1.0):
+        too_soon = now - self._last_snap < self.SNAPSHOT_EVERY
+        if pipe is None or collector is None or (not force and too_soon):
             return
         self._last_snap = now
         from .metrics import Snapshot, SourceSnap
@@ -454,8 +460,7 @@ class Service:
             )
         pipe.reconfigure(plan.config, plan.paths, rules=plan.rules, sinks=plan.sinks)
         if self.housekeeper is not None:
-            self.housekeeper.config = plan.config.store
-            self.housekeeper._next = 0.0  # a new `keep` applies now
+            self.housekeeper.reconfigure(plan.config.store)
         if plan.listen != self.listen:
             if self.metrics is not None:
                 self.metrics.stop()

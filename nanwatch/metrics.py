@@ -242,11 +242,11 @@ class MetricsServer:
         log.info("serving metrics on %s", self.url)
 
     def stop(self) -> None:
+        """Stop serving; the collector stays (a reload may hand it to a new server)."""
         if self._thread.is_alive():
             self.httpd.shutdown()
             self._thread.join(5)
         self.httpd.server_close()
-        self.collector.close()
 
 
 def serve(listen: str, collector: NanwatchCollector, *, where: str) -> MetricsServer:

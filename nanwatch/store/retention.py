@@ -42,6 +42,11 @@ class Housekeeper:
         self._cutoff_ts = 0.0
         self._pass: Counter[str] = Counter()
 
+    def reconfigure(self, config: StoreConfig) -> None:
+        """New limits (a reload): the next step starts a pass with them."""
+        self.config = config
+        self._next = 0.0
+
     def step(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
         if self._stage is None:
