@@ -86,6 +86,7 @@ class Daemon:
         notify: NotifySocket | None = None,
         *,
         watchdog_usec: int | None = None,
+        journal: bool = False,
     ) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
         if notify is not None:
@@ -95,6 +96,9 @@ class Daemon:
         self.db = tmp / "nw.db"
         self.err = tmp / "daemon.err"
         with self.err.open("ab") as err:
+            if journal:  # what systemd sets when stderr is a journal stream
+                st = os.fstat(err.fileno())
+                env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
             self.proc = subprocess.Popen(
                 [*NANWATCH, "watch", "--quiet", "--config", str(config), "--db", str(self.db)],
                 stdout=subprocess.DEVNULL,
@@ -253,7 +257,7 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
     metrics = f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
     config = write_config(tmp_path / "nw.toml", [a], metrics)
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(tmp_path, config, notify)
+    daemon = Daemon(tmp_path, config, notify, journal=True)
     try:
         notify.wait("READY", "1")
         assert scrape(port)["nanwatch_read_lines_total"] == 3
@@ -284,8 +288,11 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
         daemon.kill()
         notify.close()
     log = daemon.log()
-    assert "reload refused" in log and "'poll_intervall'" in log and "'poll_interval'" in log
-    assert str(config) in log
+    # journald gets each line's level as a <N> prefix: 3 is err, 4 warning, 6 info
+    assert re.search(r"(?m)^<3>nanwatch.daemon: reload refused, .*'poll_intervall'", log), log
+    assert "'poll_interval'" in log and str(config) in log
+    assert re.search(r"(?m)^<4>nanwatch.daemon: incident 1 opened: ", log)
+    assert re.search(r"(?m)^<6>nanwatch.daemon: reloaded ", log)
 
 
 def test_a_misspelt_key_fails_at_start(tmp_path: Path, logs: Path) -> None:
