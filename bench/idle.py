@@ -7,6 +7,7 @@ utime+stime (/proc/PID/stat) and VmRSS (/proc/PID/status) over the measuring win
     .venv/bin/python bench/idle.py                       # 60 s quiet, inotify
     .venv/bin/python bench/idle.py --mode poll           # the network-filesystem mode
     .venv/bin/python bench/idle.py --write-every 10      # ranks log a line every 10 s each
+    .venv/bin/python bench/idle.py --scrape-every 15     # [metrics] on, scraped like Prometheus
 
 CPU is the share of one core over the window; RSS is reported at its min/max over the
 samples (a flat line is min == max, give or take a page).
@@ -15,6 +16,7 @@ samples (a flat line is min == max, give or take a page).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import signal
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +65,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200, help="lines already in each file")
     ap.add_argument("--mode", choices=["auto", "inotify", "poll"], default="auto")
     ap.add_argument("--write-every", type=float, default=0.0, help="append a line per file")
+    ap.add_argument("--scrape-every", type=float, default=0.0, help="serve and scrape /metrics")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="nanwatch-idle-") as tmp:
@@ -69,6 +73,12 @@ def main() -> int:
         files = make_runs(base / "work_dirs", args.runs, args.ranks, args.iters)
         config = base / "nanwatch.toml"
         config.write_text(f'[sources]\npaths = ["{base / "work_dirs"}"]\nmode = "{args.mode}"\n')
+        if args.scrape_every:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            with config.open("a") as f:
+                f.write(f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(base / "notify.sock"))
         sock.settimeout(120)
@@ -86,13 +96,12 @@ def main() -> int:
             c0, w0 = cpu_seconds(proc.pid), time.monotonic()
             end = w0 + args.seconds
             next_write = w0 + args.write_every if args.write_every else float("inf")
+            next_scrape = w0 + args.scrape_every if args.scrape_every else float("inf")
             it = args.iters
             while time.monotonic() < end:
                 now = time.monotonic()
                 if now >= next_write:
                     it += 1
-                    import datetime as dt
-
                     line = mmengine_iter_line(
                         dt.datetime.now(),
                         "train",
@@ -107,6 +116,11 @@ def main() -> int:
                         with f.open("a") as h:
                             h.write(line + "\n")
                     next_write += args.write_every
+                if now >= next_scrape:
+                    url = f"http://127.0.0.1:{port}/metrics"
+                    with urllib.request.urlopen(url, timeout=10) as resp:
+                        assert b"nanwatch_files_followed" in resp.read()
+                    next_scrape += args.scrape_every
                 time.sleep(min(1.0, max(0.01, end - time.monotonic())))
                 rss.append(rss_kib(proc.pid))
             c1, w1 = cpu_seconds(proc.pid), time.monotonic()
@@ -119,6 +133,7 @@ def main() -> int:
         "files": len(files),
         "mode": args.mode,
         "write_every_s": args.write_every or None,
+        "scrape_every_s": args.scrape_every or None,
         "window_s": round(w1 - w0, 1),
         "cpu_percent_of_one_core": round(100 * (c1 - c0) / (w1 - w0), 3),
         "cpu_seconds": round(c1 - c0, 3),
