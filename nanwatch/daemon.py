@@ -345,8 +345,10 @@ class Service:
         if self.notifier.watchdog_interval is not None and now - self._last_ping >= self._ping_gap:
             self._last_ping = now
             self.notifier.send("WATCHDOG=1")
-        if self.housekeeper is not None and self.housekeeper.step() and self.pipe is not None:
-            self.pipe.wake.set()  # more to delete: come back right after the next pass
+        more = self.housekeeper is not None and self.housekeeper.step()
+        if more and self.pipe is not None and self.pipe.mode != "poll":
+            # more to delete: come back after the next pass (cheap unless polling walks the tree)
+            self.pipe.wake.set()
         if now - self._last_status >= self.STATUS_EVERY:
             self._last_status = now
             line = self._status_line()
