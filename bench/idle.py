@@ -85,7 +85,9 @@ def main() -> int:
         env = {**os.environ, "NOTIFY_SOCKET": str(base / "notify.sock")}
         cmd = [sys.executable, "-m", "nanwatch", "watch", "--quiet", "--config", str(config)]
         cmd += ["--db", str(base / "nw.db")]
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        errlog = base / "daemon.err"
+        with errlog.open("wb") as err:
+            proc = subprocess.Popen([*cmd, "-v"], env=env, stderr=err)
         try:
             t_start = time.monotonic()
             while b"READY=1" not in sock.recv(4096):
@@ -127,8 +129,14 @@ def main() -> int:
             threads = len(os.listdir(f"/proc/{proc.pid}/task"))
         finally:
             proc.send_signal(signal.SIGTERM)
-            code = proc.wait(30)
+            try:
+                code = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
             sock.close()
+            if code != 0:
+                sys.stderr.write(errlog.read_text(errors="replace")[-4000:])
     result = {
         "files": len(files),
         "mode": args.mode,

@@ -58,6 +58,8 @@ class Notifier:
         if address and address[0] in "@/":
             self._addr = "\0" + address[1:] if address[0] == "@" else address
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # a full receive queue must never stall the work loop: such a message is dropped
+            self._sock.setblocking(False)
         elif address:
             log.warning("NOTIFY_SOCKET=%r is not a unix socket; not notifying systemd", address)
 
@@ -326,7 +328,8 @@ class Service:
         if now - self._last_ping >= self._ping_gap:
             self._last_ping = now
             if self._ready:
-                self.notifier.send("WATCHDOG=1")
+                if self.notifier.watchdog_interval is not None:
+                    self.notifier.send("WATCHDOG=1")
             else:
                 # a long catch-up before READY: keep the start timeout and the watchdog at bay
                 self.notifier.send(

@@ -239,6 +239,16 @@ def test_notifier_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         n.close()
     finally:
         sock.close()
+    # a listener that stops reading fills its queue: sends fail, they never block the loop
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deaf.bind("\0nanwatch-notifier-deaf")
+    try:
+        n = Notifier("@nanwatch-notifier-deaf")
+        sent = [n.send(f"STATUS={i}") for i in range(5000)]
+        assert sent[0] and not sent[-1]
+        n.close()
+    finally:
+        deaf.close()
     # the watchdog of another process (WATCHDOG_PID) is not ours; no socket: no-op
     other = Notifier.from_environ({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval is None and not other.send("READY=1")
