@@ -42,6 +42,39 @@ def parse_duration(value: object, *, where: str = "duration") -> float:
     raise ConfigError(f"{where}: expected a duration such as 30s, 5m, 4h or 90d, got {value!r}")
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+_SIZE_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(value: object, *, where: str = "size") -> int:
+    """Bytes from ``1048576``, ``500MB``, ``4GB``, ``2GiB``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            unit = (m.group(2) or "").lower()
+            factor = _SIZE_UNIT[unit[:1]]
+            if "i" in unit:
+                factor = 1 << {"k": 10, "m": 20, "g": 30, "t": 40}[unit[0]]
+            size = int(float(m.group(1)) * factor)
+            if size > 0:
+                return size
+    raise ConfigError(f"{where}: expected a size such as 500MB or 4GB, got {value!r}")
+
+
+def parse_listen(value: str, *, where: str = "[metrics] listen") -> tuple[str, int]:
+    """``host:port`` (``[::1]:9464`` for IPv6, ``:9464`` for every interface)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(
+            f"{where} = {value!r}: expected host:port such as 127.0.0.1:9464 or [::1]:9464"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
 def default_db_path() -> Path:
     """``$NANWATCH_DB``, else the per-user state directory."""
     env = os.environ.get("NANWATCH_DB")
@@ -79,6 +112,7 @@ class ShapesConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     keep: float | None = None  # seconds; None keeps everything
+    max_size: int | None = None  # bytes of live data; the oldest rows go first beyond it
 
 
 @dataclass(frozen=True)
@@ -183,6 +217,17 @@ def _positive_duration(v: object, where: str, base: Path | None) -> object:
     return d
 
 
+def _size(v: object, where: str, base: Path | None) -> object:
+    return parse_size(v, where=where)
+
+
+def _listen(v: object, where: str, base: Path | None) -> object:
+    s = _str(v, where, base)
+    assert isinstance(s, str)
+    parse_listen(s, where=where)
+    return s
+
+
 def _mode(v: object, where: str, base: Path | None) -> object:
     if v not in ("auto", "inotify", "poll"):
         raise ConfigError(f"{where}: expected one of auto, inotify, poll; got {v!r}")
@@ -273,7 +318,7 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
         "nccl_timeout": _duration,
     },
     "shapes": {"checkpoint": _path},
-    "store": {"keep": _positive_duration},
+    "store": {"keep": _positive_duration, "max_size": _size},
     "alerts": {
         "group_wait": _duration,
         "group_interval": _duration,
@@ -289,7 +334,7 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
         "routes": _routes,
     },
     "alertmanager": {"url": _urls, "urls": _urls},
-    "metrics": {"listen": _str},
+    "metrics": {"listen": _listen},
     "cluster": {"job": _str, "run": _str, "node": _str},
 }
 
@@ -373,3 +418,52 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
     return parse_config(data, path=p.resolve())
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+# Credential names the unit passes with LoadCredential= (systemd/nanwatch.service).
+SLACK_TOKEN_CREDENTIAL = "slack-token"
+SLACK_WEBHOOK_CREDENTIAL = "slack-webhook"
+
+
+def read_secret(*, file: str | None, credential: str, env: str | None, key: str) -> str | None:
+    """A secret (a token, a webhook URL) from the first place that has one, or None.
+
+    1. ``file`` (the config's ``*_file`` key, named ``key`` in errors);
+    2. ``$CREDENTIALS_DIRECTORY/<credential>``: what systemd's ``LoadCredential=`` passes to
+       the service (the unit's empty ``SetCredential=`` default counts as absent);
+    3. the environment variable ``env``.
+
+    Surrounding whitespace is stripped. The value itself never appears in an error.
+    """
+    if file:
+        try:
+            value = Path(file).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{key} = {file!r}: no such file; create it or fix the path"
+            ) from None
+        except PermissionError:
+            raise ConfigError(
+                f"{key} = {file!r}: permission denied; make it readable by the user nanwatch "
+                "runs as (chmod 0640, group nanwatch), or pass it with LoadCredential="
+            ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{key} = {file!r}: cannot read it ({e})") from None
+        if not value:
+            raise ConfigError(f"{key} = {file!r}: the file is empty; put the secret in it")
+        return value
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if creds:
+        try:
+            value = (Path(creds) / credential).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            value = ""
+        if value:
+            return value
+    if env:
+        value = os.environ.get(env, "").strip()
+        if value:
+            return value
+    return None

@@ -25,7 +25,7 @@ from .detect.msprobe import MonitorReader
 from .detect.msprobe.reader import Rewritten
 from .errors import StoreError
 from .events import Event, Metric, now_utc
-from .notify.outbox import Outbox, Sender, Sink
+from .notify.outbox import Outbox, Result, Sender, Sink
 from .shapes import ShapeResolver
 from .sources import Chunk, Root, SourceRecord, Tracker, make_roots
 from .sources.discover import rank_from_path
@@ -49,6 +49,7 @@ class Stats:
     lines: int = 0
     metrics: int = 0
     events: Counter[str] = field(default_factory=Counter)
+    deliveries: Counter[str] = field(default_factory=Counter)  # "ok" | "failed" | "given_up"
     commits: int = 0
     last_commit: float | None = None
     runs: set[int] = field(default_factory=set)
@@ -80,6 +81,7 @@ class Pipeline:
         self.config = config
         self.store = store
         self.live = live
+        self._run_arg = run
         self.forced_run = run or config.cluster.run
         self.roots = make_roots(list(paths), must_exist=not live)
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
@@ -107,6 +109,9 @@ class Pipeline:
         self._stop: threading.Event | None = None
         self.mode = "scan"
         self.paused: str | None = None  # why the database could not be written, while it can't
+        # called on the writer thread after every commit: a long catch-up still shows progress
+        self.on_progress: Callable[[], None] | None = None
+        self._reconfigured = False
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe)."""
@@ -218,9 +223,20 @@ class Pipeline:
                 if size >= BATCH_BYTES or nevents >= BATCH_EVENTS:
                     self._commit(batch)
                     batch, size, nevents = [], 0, 0
-        for rec in self.tracker.drain_vanished():
-            self._retire(rec)
+        # commit first: a decision about a renamed or copied file below must see every offset
+        # this pass moved (a rotated copy resumes where its twin's committed bytes end)
         self._commit(batch)
+        vanished = self.tracker.drain_vanished()
+        if vanished or self.tracker.suspects:
+            # a path that no longer shows its file: renamed (a rotation, maybe during this very
+            # pass) or gone? Only a walk of the roots can tell; a renamed file is followed under
+            # its new name (and read on the next pass), not retired.
+            self.tracker.discover()
+            vanished = self.tracker.drain_vanished()
+            self.wake.set()  # the next pass reads the renamed files' new bytes
+        self.tracker.retire_suspects()
+        for rec in vanished:
+            self._retire(rec)
         self._persist_records()
         changes = self.correlator.process(live=self.live)
         if changes:
@@ -275,6 +291,11 @@ class Pipeline:
         so a restart makes the same decision."""
         with self.store.transaction():
             for rec in self.tracker.records.values():
+                if rec.id is not None and rec.renamed and rec.status == "active":
+                    self.store.execute(
+                        "UPDATE sources SET path = ? WHERE id = ?", (rec.path, rec.id)
+                    )
+                    rec.renamed = False
                 if rec.id is None and rec.status == "active":
                     self.store.save_source(
                         rec,
@@ -323,6 +344,7 @@ class Pipeline:
                 if n:
                     self.stats.events.update(e.kind for e in p.events)
                 self.stats.bytes += len(p.chunk.data)
+                self.stats.lines += p.chunk.data.count(b"\n")
                 if rec.run_id is not None:
                     self.stats.runs.add(rec.run_id)
         for p in batch:
@@ -331,6 +353,8 @@ class Pipeline:
                 p.chunk.record.state = p.state
         self.stats.commits += 1
         self.stats.last_commit = time.time()
+        if self.on_progress is not None:
+            self.on_progress()
 
     # -- scan ------------------------------------------------------------------------------------
 
@@ -350,7 +374,7 @@ class Pipeline:
         try:
             while time.monotonic() < end:
                 sender.deliver_due(reader)
-                self.outbox.record(sender.drain_results())
+                self._record(sender.drain_results())
                 # rows held by a silence wait for it to end, not for this scan
                 row = self.store.conn.execute(
                     "SELECT count(*), min(due_at) FROM outbox WHERE delivered_at IS NULL "
@@ -372,8 +396,15 @@ class Pipeline:
         *,
         on_ready: Callable[[], None] | None = None,
         on_tick: Callable[[], None] | None = None,
+        tick: float | None = None,
     ) -> None:
-        """Follow the roots until ``stop`` is set; commits everything read before returning."""
+        """Follow the roots until ``stop`` is set; commits everything read before returning.
+
+        ``on_tick`` runs on this (the writer) thread after every pass, at least every ``tick``
+        seconds when given: a service's watchdog pings come from here, so a wedged pass stops
+        them (a pass paused on an unwritable database still ticks: it is alive and says why).
+        ``reconfigure()`` called from ``on_tick`` takes effect before the next pass.
+        """
         mode, reason = choose_mode(self.config.sources.mode, self.roots)
         self._stop = stop
         wake = self.wake
@@ -386,14 +417,16 @@ class Pipeline:
         sender = Sender(str(self.store.path), self.sinks, notify=wake.set) if self.sinks else None
         if sender is not None:
             sender.start()
-        poll = self.config.sources.poll_interval
         try:
             self._safe_step(stop)
             if on_ready is not None:
                 on_ready()
             last_full = time.monotonic()
             while not stop.is_set():
+                poll = self.config.sources.poll_interval
                 timeout = poll if mode == "poll" else SAFETY_POLL
+                if tick is not None:
+                    timeout = min(timeout, tick)
                 if any(r.status == "pending" for r in self.tracker.records.values()):
                     timeout = min(timeout, 1.0)
                 if self.paused is not None:
@@ -419,16 +452,21 @@ class Pipeline:
                 if structural:
                     watcher.rescan_roots()
                 changes = self._safe_step(stop, discover=full, only=None if full else dirty)
-                if changes is None:
-                    continue
-                if full:
-                    last_full = now
-                if sender is not None and self.outbox is not None:
-                    self.outbox.record(sender.drain_results())
-                    if self.outbox.enqueue_reminders() or changes:
-                        sender.wake.set()
+                if changes is not None:
+                    if full:
+                        last_full = now
+                    if sender is not None and self.outbox is not None:
+                        self._record(sender.drain_results())
+                        if self.outbox.enqueue_reminders() or changes:
+                            sender.wake.set()
                 if on_tick is not None:
                     on_tick()
+                if self._reconfigured:
+                    self._reconfigured = False
+                    mode = self._rewatch(watcher, mode)
+                    sender = self._resend(sender)
+                    wake.set()  # read the new sources now
+                    last_full = 0.0
             # drain: whatever was written up to now is committed before exit
             self._safe_step(None)
         finally:
@@ -437,7 +475,7 @@ class Pipeline:
                 sender.wake.set()
                 deadline = time.monotonic() + 2.0
                 while time.monotonic() < deadline and self.outbox is not None:
-                    self.outbox.record(sender.drain_results())
+                    self._record(sender.drain_results())
                     due = self.store.conn.execute(
                         "SELECT count(*) FROM outbox WHERE delivered_at IS NULL AND due_at <= ?",
                         (time.time(),),
@@ -447,9 +485,95 @@ class Pipeline:
                     time.sleep(0.05)
                 # longer than a sink's HTTP timeout: a reply that arrives is recorded, not lost
                 sender.stop(timeout=15.0)
-                if self.outbox is not None:
-                    self.outbox.record(sender.drain_results())
+                self._record(sender.drain_results())
             self.tracker.close()
+
+    def _record(self, results: list[Result]) -> None:
+        """Record delivery results (writer thread) and count them for the metrics."""
+        if not results:
+            return
+        for r in results:
+            self.stats.deliveries["ok" if r.ok else "given_up" if r.permanent else "failed"] += 1
+        (self.outbox or Outbox(self.store, self.sinks)).record(results)
+
+    # -- reload ----------------------------------------------------------------------------------
+
+    def reconfigure(
+        self,
+        config: Config,
+        paths: Sequence[str],
+        *,
+        rules: RuleSet | None = None,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
+        """Swap config, sources, rules and sinks between passes (SIGHUP), keeping every offset.
+
+        Files still covered by a source keep their records (offsets, stream context, run);
+        files no longer covered are closed but stay active in the store, so adding them back
+        resumes where they stopped; files of new sources resume from their stored offsets.
+        """
+        roots = make_roots(list(paths), must_exist=not self.live)
+        self.config = config
+        self.forced_run = self._run_arg or config.cluster.run
+        if rules is not None:
+            self.rules = rules
+            self.detector = Detector(rules)
+        if sinks is not None:
+            self.sinks = list(sinks)
+            self.outbox = Outbox(self.store, self.sinks) if self.sinks else None
+        # Tracker and Watcher hold this very list: change it in place.
+        self.roots[:] = roots
+        for rec in list(self.tracker.records.values()):
+            root = self._root_of(rec.path, rec.root)
+            if root is None:
+                self.tracker.close_fd(rec)
+                del self.tracker.records[rec.key]
+            else:
+                rec.root = root
+        kept = []
+        for rec in self.tracker.retired:
+            root = self._root_of(rec.path, rec.root)
+            if root is not None:
+                rec.root = root
+                kept.append(rec)
+        self.tracker.retired = kept
+        known_ids = {r.id for r in self.tracker.records.values()} | {r.id for r in kept}
+        for rec in self._known():
+            if rec.id in known_ids:
+                continue
+            if rec.status == "active":
+                self.tracker.records.setdefault(rec.key, rec)
+            else:
+                self.tracker.retired.append(rec)
+        self._reconfigured = True
+        self.wake.set()
+
+    def _root_of(self, path: str, current: Root) -> Root | None:
+        if current in self.roots:
+            return current
+        return next((r for r in self.roots if r.contains(path)), None)
+
+    def _rewatch(self, watcher: Watcher, mode: str) -> str:
+        """After a reload: watch new roots, forget old ones, pick the mode again."""
+        wanted, reason = choose_mode(self.config.sources.mode, self.roots)
+        if wanted == "inotify" and not watcher.sync_roots():
+            wanted, reason = "poll", "inotify watches could not be added (fs.inotify limits)"
+        if wanted != mode:
+            log.info("now following %d path(s) by %s (%s)", len(self.roots), wanted, reason)
+        self.mode = wanted
+        return wanted
+
+    def _resend(self, sender: Sender | None) -> Sender | None:
+        """Hand the new sinks to the sender thread (started when sinks first appear)."""
+        if sender is not None:
+            # one attribute swap: the sender reads it per row, its in-flight rows stay known
+            sender.sinks = {s.name: s for s in self.sinks}
+            return sender
+        if not self.sinks:
+            return None
+        sender = Sender(str(self.store.path), self.sinks, notify=self.wake.set)
+        sender.start()
+        return sender
 
     def _safe_step(self, stop: threading.Event | None, **kw: Any) -> list[Change] | None:
         """A step that survives an unwritable database (disk full, I/O error): nothing is

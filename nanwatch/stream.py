@@ -38,7 +38,8 @@ class StreamState:
     msprobe: dict[str, Any] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, 0, {})})
+        # only absent values are left out: rank 0, epoch 0 and step 0 are real values
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None and v != {}})
 
     @classmethod
     def from_json(cls, text: str | None) -> StreamState:

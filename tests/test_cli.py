@@ -136,13 +136,13 @@ def test_config_error_names_file_key_and_fix(tmp_path: Path) -> None:
     cfg = tmp_path / "nw.toml"
     cfg.write_text("[sources]\npaths = ['/tmp']\npoll_intervall = 2\n")
     code, out = invoke("watch", "--config", str(cfg), "--db", str(tmp_path / "x.db"))
-    assert code == 1
+    assert code == 78  # EX_CONFIG: systemd does not restart it in a loop
     assert str(cfg.resolve()) in out and "poll_intervall" in out and "poll_interval" in out
 
 
 def test_watch_without_paths_is_an_error(tmp_path: Path) -> None:
     code, out = invoke("watch", "--db", str(tmp_path / "x.db"))
-    assert code == 1 and "nothing to watch" in out
+    assert code == 78 and "nothing to watch" in out
 
 
 def test_scan_missing_path(tmp_path: Path) -> None:

@@ -132,5 +132,5 @@ def test_logrotate_and_sigkills_lose_and_duplicate_nothing(tmp_path: Path) -> No
     seen = {(r, i): n for r, i, n in rows}
     want = {(r, i) for r in range(ranks) for i in range(1, iterations + 1)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:10]}"
-    assert all(n == 1 for n in seen.values()), {k: n for k, n in seen.items() if n > 1}
+    assert all(n == 1 for n in seen.values()), ({k: n for k, n in seen.items() if n > 1}, str(db))
     assert sum(seen.values()) == 600

@@ -300,3 +300,25 @@ def test_rotated_names() -> None:
     assert not rotated_name_of("/l/rank0.log.bak", "/l/rank0.log")
     assert rotated_name_of("/l/rank0.log.2", "/l/rank0.log.1")  # the original moved on too
     assert not rotated_name_of("/l/rank1.log.2", "/l/rank0.log.1")
+
+
+def test_a_rename_noticed_by_a_pass_without_a_walk_is_followed_not_retired(
+    tmp_path: Path, db: Path
+) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text(nan_line(1))
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        with log.open("a") as f:
+            f.write(nan_line(2))
+        os.rename(log, d / "rank0.log.1")  # logrotate `create`, between two passes
+        log.write_text(nan_line(3))
+        live.pipe.step(discover=False, only=[str(log)])  # an inotify pass: no walk planned
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
+    finally:
+        live.close()

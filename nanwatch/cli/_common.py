@@ -21,6 +21,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_ERROR = 1
 EXIT_VERDICT = 3
+EXIT_UNFIXABLE = 78  # EX_CONFIG: `watch` could not start and a restart would not help
 
 
 def db_option(f: F) -> F:

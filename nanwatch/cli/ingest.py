@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ..errors import ConfigError
+from ..errors import NanwatchError
 from ._common import (
+    EXIT_UNFIXABLE,
     EXIT_VERDICT,
     config_option,
     db_option,
@@ -62,41 +61,35 @@ def watch(
     PATHs are files, folders (every text file below them, recursively, new ones included) or
     globs; without PATH, `[sources] paths` from the config. Each PATH is one run. Offsets are
     committed with the events, so a restart resumes exactly where it stopped. SIGTERM or
-    Ctrl-C stop it cleanly (everything read is committed; exit status 0).
+    Ctrl-C stop it cleanly (everything read is committed; exit status 0); SIGHUP reloads the
+    config (sources, rules, notifications, retention, metrics) without losing offsets, and a
+    config that does not validate is logged and the running one kept.
+
+    Under systemd (Type=notify) it reports readiness, status and watchdog pings on
+    $NOTIFY_SOCKET; see systemd/nanwatch.service and `nanwatch doctor`.
 
     \b
     Examples:
       nanwatch watch work_dirs/dino/
       nanwatch watch --config /etc/nanwatch/nanwatch.toml
       nanwatch watch --db /tmp/nw.db '/data/logs/*/rank*.log'
+      systemctl reload nanwatch        # SIGHUP: re-read the config
     """
+    from ..daemon import Service, setup_logging
+
     setup_logging(verbose)
-    config, db_path = resolve(config_path, db)
-    targets = list(paths) or list(config.sources.paths)
-    if not targets:
-        raise ConfigError(
-            "nothing to watch: pass PATHs or set [sources] paths in the config "
-            f"({config.path or 'no --config given'})"
-        )
-    from ..pipeline import Pipeline
-    from ..store import Store
-
-    store = Store.open(db_path)
-    stop = threading.Event()
     try:
-        pipe = Pipeline(
-            config, store, targets, run=run, live=True, sinks=_sinks(config, console=not quiet)
-        )
-
-        def _stop(signum: int, frame: Any) -> None:
-            pipe.request_stop()
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-        click.echo(f"nanwatch: watching {len(targets)} path(s); database {db_path}", err=True)
-        pipe.watch(stop)
-    finally:
-        store.close()
+        Service(
+            config_path=config_path,
+            db=db,
+            paths=paths,
+            run=run,
+            make_sinks=lambda config: _sinks(config, console=not quiet),
+        ).run()
+    except NanwatchError as e:
+        # a bad config, a damaged or locked database: restarting will not fix it
+        click.echo(f"nanwatch: error: {e}", err=True)
+        sys.exit(EXIT_UNFIXABLE)
 
 
 @click.command()

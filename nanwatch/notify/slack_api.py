@@ -15,10 +15,11 @@ import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..config import Config
+from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, Config
 from ..errors import ConfigError, DeliveryError
 
 log = logging.getLogger("nanwatch.notify.slack")
@@ -121,6 +122,18 @@ def read_secret(path: str, *, key: str, what: str, where: str) -> str:
     return value
 
 
+def _credential(name: str) -> str | None:
+    """``$CREDENTIALS_DIRECTORY/<name>`` (systemd LoadCredential=), stripped; None if absent."""
+    folder = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not folder:
+        return None
+    try:
+        value = (Path(folder) / name).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return value or None
+
+
 def slack_settings(config: Config) -> SlackSettings | None:
     """``[slack]`` with its secret read; None without the section; ConfigError if unusable."""
     sc = config.slack
@@ -130,8 +143,17 @@ def slack_settings(config: Config) -> SlackSettings | None:
     base_url = sc.base_url or DEFAULT_BASE_URL
     if not base_url.endswith("/"):
         base_url += "/"
-    if sc.webhook_url_file or sc.webhook_url:
-        if sc.webhook_url_file:
+    credential_token = None
+    credential_hook = None
+    if not (sc.token_file or sc.webhook_url_file or sc.webhook_url):
+        # what systemd's LoadCredential= passes the service (the unit's empty default: absent)
+        credential_token = _credential(SLACK_TOKEN_CREDENTIAL)
+        if credential_token is None:
+            credential_hook = _credential(SLACK_WEBHOOK_CREDENTIAL)
+    if sc.webhook_url_file or sc.webhook_url or credential_hook:
+        if credential_hook:
+            url, source = credential_hook, f"credential {SLACK_WEBHOOK_CREDENTIAL}"
+        elif sc.webhook_url_file:
             url = read_secret(
                 sc.webhook_url_file, key="webhook_url_file", what="webhook URL", where=where
             )
@@ -149,6 +171,8 @@ def slack_settings(config: Config) -> SlackSettings | None:
     if sc.token_file:
         token = read_secret(sc.token_file, key="token_file", what="bot token", where=where)
         source = f"token_file {sc.token_file}"
+    elif credential_token:
+        token, source = credential_token, f"credential {SLACK_TOKEN_CREDENTIAL}"
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()
         source = f"${TOKEN_ENV}"

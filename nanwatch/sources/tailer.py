@@ -86,6 +86,7 @@ class SourceRecord:
     status: str = "active"  # active | pending | rotated | truncated | gone | unreadable
     state: StreamState = field(default_factory=StreamState)
     cutting: bool = False  # inside an over-long line whose rest is being skipped
+    renamed: bool = False  # its path changed since the store last saw it
     lines_cut: int = 0
     since: float = field(default_factory=time.monotonic)
     copy_of: SourceRecord | None = None
@@ -138,6 +139,8 @@ class Tracker:
         self.ignored: dict[tuple[int, int], float] = {}  # binary files (by identity)
         self.unreadable: dict[str, float] = {}
         self._open: OrderedDict[tuple[int, int], int] = OrderedDict()
+        # records whose path no longer shows their file: renamed or gone? the next walk says
+        self.suspects: set[tuple[int, int]] = set()
         self.counters: dict[str, int] = {
             "files_binary": 0,
             "lines_cut": 0,
@@ -178,10 +181,12 @@ class Tracker:
                 seen.add(key)
                 rec = self.records.get(key)
                 if rec is not None:
+                    self.suspects.discard(key)
                     if rec.path != path:
                         log.info("%s: renamed to %s; following it", rec.path, path)
                         self.counters["rotations"] += 1
                         rec.path = path
+                        rec.renamed = True
                     continue
                 if key in self.ignored:
                     continue
@@ -458,7 +463,7 @@ class Tracker:
                 status=status,
             )
         elif verdict == "gone":
-            self._retire(rec, "gone")
+            self.suspects.add(rec.key)  # the caller walks the roots: renamed, or really gone
             return
         if rec.status == "copied-pending":
             rec.status = "active"  # not truncated after all: the copy was a plain copy
@@ -578,6 +583,14 @@ class Tracker:
         rec.head_len = chunk.head_len
         rec.cutting = chunk.cutting
         rec.lines_cut += 0
+
+    def retire_suspects(self) -> None:
+        """After a walk: suspects it did not find anywhere under the roots are gone."""
+        for key in list(self.suspects):
+            rec = self.records.get(key)
+            if rec is not None:
+                self._retire(rec, "gone")
+        self.suspects.clear()
 
     def drain_vanished(self) -> list[SourceRecord]:
         """Records whose path no longer shows their inode but whose descriptor is still open."""

@@ -166,9 +166,7 @@ class Watcher:
         it appear); a folder replaced by another (moved away and recreated) is watched again."""
         ok = True
         for r in self.roots:
-            target, recursive = r.base, r.kind != "file"
-            while not os.path.isdir(target) and os.path.dirname(target) != target:
-                target, recursive = os.path.dirname(target), False
+            target, recursive = self._target(r)
             ident = _identity(target)
             known = self._watches.get(target)
             if known is not None and known[1] == ident:
@@ -195,6 +193,29 @@ class Watcher:
         """After structural changes: watch roots that appeared or were replaced."""
         if self._observer is not None:
             self._schedule_all()
+
+    def sync_roots(self) -> bool:
+        """After a reload: watch the roots' folders now listed, drop the ones no longer needed.
+
+        Starts inotify if it was not running; False when a watch could not be added.
+        """
+        if self._observer is None:
+            return self.start()
+        wanted = {self._target(r)[0] for r in self.roots}
+        for target in [t for t in self._watches if t not in wanted]:
+            try:
+                self._observer.unschedule(self._watches.pop(target)[0])
+            except (KeyError, OSError, ValueError):
+                pass
+        return self._schedule_all()
+
+    @staticmethod
+    def _target(r: Root) -> tuple[str, bool]:
+        """The folder to watch for a root (its nearest existing one) and whether recursively."""
+        target, recursive = r.base, r.kind != "file"
+        while not os.path.isdir(target) and os.path.dirname(target) != target:
+            target, recursive = os.path.dirname(target), False
+        return target, recursive
 
     def _touch(self, event: Any) -> None:
         etype = getattr(event, "event_type", "")

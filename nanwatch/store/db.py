@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from ..errors import StoreError
 from ..events import Event, Metric, now_utc
 from .schema import MIGRATIONS
@@ -96,9 +94,19 @@ class Store:
         self.path = path
         self.conn = conn
         self.readonly = readonly
-        self.db = sqlite_utils.Database(conn)
+        self._db: Any = None
         self._in_tx = False
         self.lock: WriterLock | None = None
+
+    @property
+    def db(self) -> Any:
+        """sqlite_utils' view of the connection, for scripts. Imported on first use: it imports
+        pandas and numpy when they are installed (50+ MB), which the daemon has no use for."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn)
+        return self._db
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -149,6 +157,10 @@ class Store:
             conn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
             )
+            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+                # a fresh file: auto_vacuum must be chosen before the first page is written,
+                # and switching to WAL writes one
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=OFF")
@@ -171,9 +183,6 @@ class Store:
                 f"{self.path}: written by a newer nanwatch (schema {version} > {SCHEMA_VERSION}); "
                 "upgrade nanwatch"
             )
-        if version == 0:
-            # a fresh file: auto_vacuum must be set before the first table exists
-            self.conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         for number in range(version, SCHEMA_VERSION):
             self.conn.execute("BEGIN IMMEDIATE")
             try:
@@ -469,6 +478,150 @@ class Store:
             f"SELECT {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last_id, limit)
         ).fetchall()
         return [self._event(r) for r in rows]
+
+    # -- retention (the daemon's writer thread calls these in small batches) ---------------------
+
+    def expire_incidents(self, before: str, *, limit: int = 500) -> int:
+        """Delete incidents resolved before ``before`` (RFC 3339), their outbox and messages."""
+        ids = [
+            r[0]
+            for r in self.conn.execute(
+                "SELECT id FROM incidents WHERE status = 'resolved' AND resolved_at < ? LIMIT ?",
+                (before, limit),
+            )
+        ]
+        if not ids:
+            return 0
+        marks = ",".join("?" * len(ids))
+        with self.transaction():
+            self.execute(f"DELETE FROM outbox WHERE incident_id IN ({marks})", ids)
+            self.execute(f"DELETE FROM messages WHERE incident_id IN ({marks})", ids)
+            self.execute(f"DELETE FROM incidents WHERE id IN ({marks})", ids)
+        return len(ids)
+
+    def expire_events(
+        self, before: str, *, after_id: int = 0, limit: int = 2000
+    ) -> tuple[int, int]:
+        """Delete events ingested before ``before`` that no remaining incident holds.
+
+        Scans ``limit`` rows by id from ``after_id`` and returns (deleted, next id to scan from),
+        next = -1 when the scan reached events newer than ``before``: ``ingested_at`` grows with
+        the id, so no index on it is needed and a pass never reads the young part of the table.
+        Events of incidents still present (open, or resolved recently) stay with them.
+        """
+        rows = self.conn.execute(
+            "SELECT e.id, e.ingested_at, i.id IS NOT NULL FROM events e "
+            "LEFT JOIN incidents i ON i.id = e.incident_id WHERE e.id > ? ORDER BY e.id LIMIT ?",
+            (after_id, limit),
+        ).fetchall()
+        dead: list[int] = []
+        nxt = -1 if len(rows) < limit else int(rows[-1][0])
+        for rid, ingested, held in rows:
+            if ingested >= before:
+                nxt = -1
+                break
+            if not held:
+                dead.append(int(rid))
+        if dead:
+            with self.transaction():
+                self.conn.executemany("DELETE FROM events WHERE id = ?", [(i,) for i in dead])
+        return len(dead), nxt
+
+    def expire_metrics(self, upto_id: int, *, limit: int = 5000) -> int:
+        """Delete metric rows with ids up to ``upto_id``, oldest first; returns how many."""
+        with self.transaction():
+            cur = self.execute(
+                "DELETE FROM metrics WHERE id IN "
+                "(SELECT id FROM metrics WHERE id <= ? ORDER BY id LIMIT ?)",
+                (upto_id, limit),
+            )
+        return max(cur.rowcount, 0)
+
+    def expire_misc(self, before: str, before_ts: float, *, limit: int = 2000) -> int:
+        """Delivered outbox rows, lapsed silences and retired sources older than the cutoff."""
+        n = 0
+        with self.transaction():
+            n += self.execute(
+                "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE delivered_at IS NOT "
+                "NULL AND created_at < ? LIMIT ?)",
+                (before, limit),
+            ).rowcount
+            n += self.execute("DELETE FROM silences WHERE until < ?", (before_ts,)).rowcount
+            # a retired file's row goes once nothing refers to it (its offsets are useless now)
+            n += self.execute(
+                "DELETE FROM sources WHERE id IN (SELECT s.id FROM sources s WHERE s.status NOT "
+                "IN ('active', 'truncated', 'rotated') AND s.updated_at < ? AND NOT EXISTS "
+                "(SELECT 1 FROM events e WHERE e.source_id = s.id) AND NOT EXISTS "
+                "(SELECT 1 FROM metrics m WHERE m.source_id = s.id) LIMIT ?)",
+                (before, limit),
+            ).rowcount
+        return max(n, 0)
+
+    def trim_oldest(self, *, limit: int = 5000) -> int:
+        """Over the size cap: delete the oldest metric rows, then the oldest events that no open
+        incident holds. Returns how many rows went (0: nothing left that may go)."""
+        with self.transaction():
+            cur = self.execute(
+                "DELETE FROM metrics WHERE id IN (SELECT id FROM metrics ORDER BY id LIMIT ?)",
+                (limit,),
+            )
+            if cur.rowcount > 0:
+                return cur.rowcount
+            cur = self.execute(
+                "DELETE FROM events WHERE id IN (SELECT e.id FROM events e LEFT JOIN incidents i "
+                "ON i.id = e.incident_id AND i.status = 'open' WHERE i.id IS NULL "
+                "ORDER BY e.id LIMIT ?)",
+                (limit,),
+            )
+        return max(cur.rowcount, 0)
+
+    def metric_marks(self) -> list[tuple[float, int]]:
+        """(unix time, highest metric id then): metric rows carry no ingestion time of their
+        own, so retention ages them by these marks, written at most hourly."""
+        raw = self.meta_get("retention_marks")
+        return [(float(t), int(i)) for t, i in json.loads(raw)] if raw else []
+
+    def add_metric_mark(self, now: float, *, every: float = 3600.0, keep: float) -> None:
+        marks = self.metric_marks()
+        if marks and now - marks[-1][0] < every:
+            return
+        top = self.conn.execute("SELECT coalesce(max(id), 0) FROM metrics").fetchone()[0]
+        marks.append((now, int(top)))
+        # marks older than the cutoff are needed only up to the newest of them
+        old = [m for m in marks if m[0] < now - keep]
+        marks = old[-1:] + [m for m in marks if m[0] >= now - keep]
+        with self.transaction():
+            self.meta_set("retention_marks", json.dumps(marks))
+
+    def vacuum_step(self, pages: int = 256) -> int:
+        """Give up to ``pages`` free pages back to the filesystem (auto_vacuum=INCREMENTAL)."""
+        before = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        if not before:
+            return 0
+        # each step of this pragma frees one page: read it to the end
+        self.execute(f"PRAGMA incremental_vacuum({int(pages)})").fetchall()
+        after = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        return int(before - after)
+
+    def size_info(self) -> dict[str, int]:
+        """Bytes: ``used`` (live pages), ``free`` (freelist), ``file`` and ``wal`` on disk."""
+        page = self.conn.execute("PRAGMA page_size").fetchone()[0]
+        count = self.conn.execute("PRAGMA page_count").fetchone()[0]
+        free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+
+        def _size(p: Path) -> int:
+            try:
+                return p.stat().st_size
+            except OSError:
+                return 0
+
+        return {
+            "used": (count - free) * page,
+            "free": free * page,
+            "file": _size(self.path),
+            "wal": _size(Path(f"{self.path}-wal")),
+            "auto_vacuum": int(self.conn.execute("PRAGMA auto_vacuum").fetchone()[0]),
+        }
 
     # -- row helpers -----------------------------------------------------------------------------
 

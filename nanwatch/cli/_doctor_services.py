@@ -1,0 +1,275 @@
+"""`nanwatch doctor`, what the service writes and talks to: database, Slack, metrics address."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import sqlite3
+import stat
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .doctor import Finding, current_user
+
+SLACK_API = "https://slack.com/api/"
+
+
+def check_database(db: Path, config: Any) -> list[Finding]:
+    from ..store.db import SCHEMA_VERSION
+
+    if not db.exists():
+        folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
+        if os.access(folder, os.W_OK | os.X_OK):
+            return [Finding("database", "ok", f"{db}: not created yet; {folder} is writable")]
+        return [
+            Finding(
+                "database",
+                "fail",
+                f"{db}: cannot be created: {folder} is not writable by {current_user()}",
+                "use the unit's StateDirectory (/var/lib/nanwatch) or chown the folder",
+            )
+        ]
+    out = []
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            journal = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            vacuum = conn.execute("PRAGMA auto_vacuum").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        check, journal, vacuum, version, page, pages, free = str(e), "", 0, 0, 0, 0, 0
+    if check != "ok":
+        return [
+            Finding(
+                "database",
+                "fail",
+                f"{db}: damaged ({check})",
+                f"stop nanwatch; mv {db} {db}.bad; then start afresh, or salvage it: "
+                f"sqlite3 {db}.bad .recover | sqlite3 {db}",
+            )
+        ]
+    size = db.stat().st_size + (
+        Path(f"{db}-wal").stat().st_size if Path(f"{db}-wal").exists() else 0
+    )
+    used = (pages - free) * page
+    out.append(
+        Finding(
+            "database",
+            "ok",
+            f"{db}: intact, schema {version}, {size / 1e6:.1f} MB on disk "
+            f"({used / 1e6:.1f} MB live, {free * page / 1e6:.1f} MB free)",
+        )
+    )
+    if version > SCHEMA_VERSION:
+        out.append(
+            Finding(
+                "database",
+                "fail",
+                f"{db}: written by a newer nanwatch (schema {version} > {SCHEMA_VERSION})",
+                "upgrade nanwatch",
+            )
+        )
+    elif version < SCHEMA_VERSION:
+        out.append(
+            Finding("database", "ok", f"{db}: schema {version} is migrated at the next start")
+        )
+    if version and journal != "wal":
+        out.append(
+            Finding(
+                "database",
+                "warn",
+                f"{db}: journal mode {journal!r}, not WAL: readers may block the daemon",
+                "start nanwatch watch once: it switches the database to WAL",
+            )
+        )
+    if version and vacuum != 2:
+        out.append(
+            Finding(
+                "database",
+                "warn",
+                f"{db}: auto_vacuum is off: retention frees space inside the file, which never "
+                "shrinks",
+                f"stop nanwatch, then: sqlite3 {db} 'PRAGMA auto_vacuum=INCREMENTAL; VACUUM;'",
+            )
+        )
+    cap = config.store.max_size if config is not None else None
+    if cap and used > cap:
+        out.append(
+            Finding(
+                "database",
+                "warn",
+                f"{db}: {used / 1e6:.0f} MB live, above [store] max_size ({cap / 1e6:.0f} MB)",
+                "the running service trims it within minutes; else raise max_size",
+            )
+        )
+    writable = os.access(db, os.W_OK) and os.access(db.parent, os.W_OK | os.X_OK)
+    if not writable:
+        out.append(
+            Finding(
+                "database",
+                "fail",
+                f"{db}: not writable by {current_user()} (the file and its folder must be: WAL)",
+                f"chown -R nanwatch:nanwatch {db.parent} (the service user)",
+            )
+        )
+    return out
+
+
+# --- slack, metrics -----------------------------------------------------------------------------
+
+
+def _http(
+    req: urllib.request.Request, timeout: float = 5.0, *, proxy: bool = True
+) -> tuple[int, bytes]:
+    """(status, body); Slack goes through $HTTPS_PROXY like the service, loopback never does."""
+    opener = urllib.request.build_opener(*([] if proxy else [urllib.request.ProxyHandler({})]))
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            return int(resp.status), resp.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read(1 << 20)
+
+
+def check_slack(config: Any) -> list[Finding]:
+    from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, read_secret
+    from ..errors import ConfigError
+
+    sc = config.slack
+    if not sc.enabled:
+        return [Finding("slack", "skip", "no [slack] section: nothing to check")]
+    base = (sc.base_url or SLACK_API).rstrip("/") + "/"
+    out = []
+    if sc.token_file and os.path.exists(sc.token_file):
+        mode = os.stat(sc.token_file).st_mode
+        if mode & stat.S_IROTH:
+            out.append(
+                Finding(
+                    "permissions",
+                    "fail",
+                    f"[slack] token_file {sc.token_file}: readable by every user",
+                    f"chmod 0640 {sc.token_file} (or pass it with LoadCredential=)",
+                )
+            )
+    try:
+        token = read_secret(
+            file=sc.token_file,
+            credential=SLACK_TOKEN_CREDENTIAL,
+            env="SLACK_BOT_TOKEN",
+            key="[slack] token_file",
+        )
+        hook = sc.webhook_url or read_secret(
+            file=sc.webhook_url_file,
+            credential=SLACK_WEBHOOK_CREDENTIAL,
+            env=None,
+            key="[slack] webhook_url_file",
+        )
+    except ConfigError as e:
+        return [*out, Finding("slack", "fail", str(e), "fix the file as the message says")]
+    if token:
+        req = urllib.request.Request(
+            base + "auth.test",
+            data=b"",
+            method="POST",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        try:
+            code, body = _http(req)
+            answer = json.loads(body or b"{}")
+        except (OSError, ValueError) as e:
+            return [*out, _unreachable(base, e)]
+        if code == 200 and answer.get("ok"):
+            who = f"{answer.get('user', '?')} in {answer.get('team', '?')}"
+            return [
+                *out,
+                Finding("slack", "ok", f"{base}: the token works (authenticated as {who})"),
+            ]
+        err = answer.get("error") or f"HTTP {code}"
+        return [
+            *out,
+            Finding(
+                "slack",
+                "fail",
+                f"{base}auth.test refused the token: {err}",
+                "put a valid bot token (xoxb-...) in /etc/nanwatch/slack-token (LoadCredential) "
+                "or [slack] token_file, and restart nanwatch",
+            ),
+        ]
+    if hook:
+        host = urllib.parse.urlsplit(hook).netloc  # never the secret path
+        try:
+            # a GET posts nothing: any HTTP answer proves the way there
+            code, _ = _http(urllib.request.Request(hook, method="GET"))
+        except OSError as e:
+            return [*out, _unreachable(host, e)]
+        return [*out, Finding("slack", "ok", f"webhook host {host} reachable (HTTP {code})")]
+    return [
+        *out,
+        Finding(
+            "slack",
+            "fail",
+            "[slack] is configured but no bot token or webhook URL is available",
+            "put the bot token in /etc/nanwatch/slack-token (the unit's LoadCredential=), "
+            "or set [slack] token_file, or $SLACK_BOT_TOKEN",
+        ),
+    ]
+
+
+def _unreachable(where: str, e: BaseException) -> Finding:
+    reason = getattr(e, "reason", None) or e
+    return Finding(
+        "slack",
+        "fail",
+        f"cannot reach {where}: {reason}",
+        "check the node's route to Slack (firewall, HTTPS_PROXY in a drop-in: "
+        "Environment=HTTPS_PROXY=...), or [slack] base_url",
+    )
+
+
+def check_metrics(config: Any) -> Finding:
+    from ..config import parse_listen
+    from ..errors import ConfigError
+
+    listen = config.metrics.listen
+    if listen is None:
+        return Finding("metrics", "skip", "no [metrics] listen: no metrics endpoint")
+    try:
+        host, port = parse_listen(listen)
+    except ConfigError as e:
+        return Finding("metrics", "fail", str(e), "fix [metrics] listen")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return Finding("metrics", "ok", f"{listen}: free; the service will serve /metrics")
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return Finding(
+                    "metrics",
+                    "fail",
+                    f"{listen}: cannot listen ({e.strerror})",
+                    "pick an address of this host in [metrics] listen",
+                )
+    url = f"http://{'[' + host + ']' if ':' in host else host or '127.0.0.1'}:{port}/metrics"
+    try:
+        code, body = _http(urllib.request.Request(url), timeout=3, proxy=False)
+    except OSError:
+        code, body = 0, b""
+    if code == 200 and b"nanwatch_info" in body:
+        return Finding("metrics", "ok", f"{listen}: nanwatch is serving metrics there")
+    return Finding(
+        "metrics",
+        "fail",
+        f"{listen}: in use by another program",
+        "pick a free port in [metrics] listen",
+    )

@@ -1,0 +1,326 @@
+"""The service as real processes: the notify socket, signals, reload, metrics, WAL readers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .conftest import NANWATCH, nanwatch, wait_for
+from .test_sources import nan_line, ok_line
+
+pytestmark = pytest.mark.slow
+
+
+class NotifySocket:
+    """What systemd listens on: an AF_UNIX datagram socket, by path or in the abstract namespace."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
+        self.received: list[tuple[float, dict[str, str]]] = []
+
+    def _recv(self, timeout: float) -> dict[str, str] | None:
+        self.sock.settimeout(max(timeout, 0.001))
+        try:
+            data = self.sock.recv(65536)
+        except (TimeoutError, BlockingIOError):
+            return None
+        msg = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+        self.received.append((time.monotonic(), msg))
+        return msg
+
+    def wait(self, key: str, value: str | None = None, timeout: float = 60.0) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._recv(deadline - time.monotonic())
+            if msg is not None and key in msg and (value is None or msg[key] == value):
+                return msg
+        raise AssertionError(f"no {key}={value or '*'} within {timeout}s; got {self.received}")
+
+    def collect(self, seconds: float) -> list[tuple[float, dict[str, str]]]:
+        start = len(self.received)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._recv(deadline - time.monotonic())
+        return self.received[start:]
+
+    def drain(self) -> None:
+        while self._recv(0.001) is not None:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        if not self.address.startswith("@"):
+            Path(self.address).unlink(missing_ok=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(path: Path, sources: list[Path], extra: str = "") -> Path:
+    paths = ", ".join(f'"{p}"' for p in sources)
+    path.write_text(f"[sources]\npaths = [{paths}]\n{extra}")
+    return path
+
+
+class Daemon:
+    def __init__(
+        self,
+        tmp: Path,
+        config: Path,
+        notify: NotifySocket | None = None,
+        *,
+        watchdog_usec: int | None = None,
+        journal: bool = False,
+    ) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        if notify is not None:
+            env["NOTIFY_SOCKET"] = notify.address
+        if watchdog_usec is not None:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
+        self.db = tmp / "nw.db"
+        self.err = tmp / "daemon.err"
+        with self.err.open("ab") as err:
+            if journal:  # what systemd sets when stderr is a journal stream
+                st = os.fstat(err.fileno())
+                env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+            self.proc = subprocess.Popen(
+                [*NANWATCH, "watch", "--quiet", "--config", str(config), "--db", str(self.db)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+            )
+
+    def log(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(20)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def count(db: Path, sql: str = "SELECT count(*) FROM events") -> int:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return int(conn.execute(sql).fetchone()[0])
+    finally:
+        conn.close()
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    d = tmp_path / "logs"
+    d.mkdir()
+    (d / "rank0.log").write_text(nan_line(1))
+    return d
+
+
+def test_ready_watchdog_and_stopping_on_a_path_socket(tmp_path: Path, logs: Path) -> None:
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    daemon = Daemon(
+        tmp_path, write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=3_000_000
+    )
+    try:
+        ready = notify.wait("READY", "1")
+        assert "following 1 file(s)" in ready["STATUS"] and "1 open incident(s)" in ready["STATUS"]
+        t0 = notify.received[-1][0]
+        pings = [t for t, m in notify.collect(5.0) if m.get("WATCHDOG") == "1"]
+        # systemd kills a service that stays silent for WatchdogSec (3s here)
+        assert len(pings) >= 2, notify.received
+        gaps = [b - a for a, b in zip([t0, *pings], pings)]
+        assert max(gaps) < 3.0, gaps
+        daemon.proc.send_signal(signal.SIGTERM)
+        notify.wait("STOPPING", "1", timeout=10)
+        assert daemon.proc.wait(10) == 0, daemon.log()
+    finally:
+        daemon.kill()
+        notify.close()
+    assert "stopped: everything read is committed" in daemon.log()
+
+
+def test_a_wedged_pipeline_stops_pinging(tmp_path: Path, logs: Path) -> None:
+    notify = NotifySocket(f"@nanwatch-test-{uuid.uuid4().hex}")  # the abstract namespace
+    daemon = Daemon(
+        tmp_path, write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=2_000_000
+    )
+    try:
+        notify.wait("READY", "1")
+        notify.wait("WATCHDOG", "1", timeout=10)
+        # another writer holds the database: the next commit waits, the loop stops ticking
+        blocker = sqlite3.connect(daemon.db, isolation_level=None, timeout=1)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            with (logs / "rank0.log").open("a") as f:
+                f.write(nan_line(2))
+            time.sleep(1.0)
+            notify.drain()
+            silent = notify.collect(2.5)
+            assert not [m for _, m in silent if m.get("WATCHDOG") == "1"], silent
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        notify.wait("WATCHDOG", "1", timeout=30)
+        wait_for(lambda: count(daemon.db) == 2, timeout=30, what="the event read while wedged")
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+        notify.close()
+
+
+def test_metrics_wal_readers_and_no_torch(tmp_path: Path, logs: Path) -> None:
+    port = free_port()
+    config = write_config(tmp_path / "nw.toml", [logs], f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    daemon = Daemon(tmp_path, config, notify)
+    try:
+        notify.wait("READY", "1")
+        m = scrape(port)
+        assert m['nanwatch_events_total{kind="nan"}'] == 1
+        assert m['nanwatch_incidents_open{kind="nan"}'] == 1
+        assert m["nanwatch_files_followed"] == 1
+        assert m["nanwatch_read_lines_total"] == 1
+        assert m[f'nanwatch_source_lag_bytes{{source="{logs}"}}'] == 0
+        assert m["nanwatch_last_scan_timestamp_seconds"] > 0
+        assert m["process_resident_memory_bytes"] > 0
+        # bytes written but not yet a complete line are lag
+        with (logs / "rank0.log").open("a") as f:
+            f.write("partial")
+        wait_for(
+            lambda: scrape(port)[f'nanwatch_source_lag_bytes{{source="{logs}"}}'] == 7,
+            what="lag of the partial line",
+        )
+
+        # a CLI reader holding a read transaction never blocks the daemon's writes
+        reader = sqlite3.connect(f"file:{daemon.db}?mode=ro", uri=True, isolation_level=None)
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+        with (logs / "rank0.log").open("a") as f:
+            f.write("\n" + nan_line(2))
+        wait_for(lambda: count(daemon.db) == 2, what="a commit while a reader holds a snapshot")
+        assert reader.execute("SELECT count(*) FROM events").fetchone()[0] == 1  # its snapshot
+        reader.execute("COMMIT")
+        reader.close()
+
+        # doctor, beside the running service, reads its database and finds its metrics
+        out = nanwatch("doctor", "--config", str(config), "--db", str(daemon.db)).stdout
+        assert "nanwatch is serving metrics there" in out and "intact, schema" in out
+
+        # the daemon never imports torch (installed here): no torch library is mapped
+        assert importlib.util.find_spec("torch") is not None
+        maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+        assert "_sqlite3" in maps  # the check sees the extension modules the daemon loaded
+        assert "torch" not in maps
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+        notify.close()
+
+
+def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "rank0.log").write_text(nan_line(1) + ok_line(2) + ok_line(3))
+    (b / "rank0.log").write_text(nan_line(7))
+    port = free_port()
+    metrics = f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    config = write_config(tmp_path / "nw.toml", [a], metrics)
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    daemon = Daemon(tmp_path, config, notify, journal=True)
+    try:
+        notify.wait("READY", "1")
+        assert scrape(port)["nanwatch_read_lines_total"] == 3
+
+        write_config(config, [a, b], metrics)
+        daemon.proc.send_signal(signal.SIGHUP)
+        notify.wait("RELOADING", "1")
+        notify.wait("READY", "1")
+        wait_for(lambda: count(daemon.db) == 2, what="the new source's event")
+        wait_for(lambda: scrape(port)['nanwatch_reloads_total{result="ok"}'] == 1, what="metrics")
+        assert scrape(port)["nanwatch_read_lines_total"] == 4  # a's lines were not read again
+        with (a / "rank0.log").open("a") as f:
+            f.write(nan_line(4))
+        wait_for(lambda: count(daemon.db) == 3, what="the old source still followed")
+
+        config.write_text(config.read_text().replace("[metrics]", "poll_intervall = 2\n[metrics]"))
+        daemon.proc.send_signal(signal.SIGHUP)
+        refused = notify.wait("READY", "1")
+        assert "reload refused" in refused["STATUS"]
+        with (b / "rank0.log").open("a") as f:
+            f.write(nan_line(8))
+        wait_for(lambda: count(daemon.db) == 4, what="an event after the refused reload")
+        wait_for(
+            lambda: scrape(port)['nanwatch_reloads_total{result="failed"}'] == 1, what="metrics"
+        )
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+        notify.close()
+    log = daemon.log()
+    # journald gets each line's level as a <N> prefix: 3 is err, 4 warning, 6 info
+    assert re.search(r"(?m)^<3>nanwatch.daemon: reload refused, .*'poll_intervall'", log), log
+    assert "'poll_interval'" in log and str(config) in log
+    assert re.search(r"(?m)^<4>nanwatch.daemon: incident 1 opened: ", log)
+    assert re.search(r"(?m)^<6>nanwatch.daemon: reloaded ", log)
+
+
+def test_a_misspelt_key_fails_at_start(tmp_path: Path, logs: Path) -> None:
+    config = write_config(tmp_path / "nw.toml", [logs], "[store]\nkeeep = '90d'\n")
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    daemon = Daemon(tmp_path, config, notify)
+    try:
+        assert daemon.proc.wait(60) == 78  # EX_CONFIG: not restarted in a loop
+    finally:
+        daemon.kill()
+    assert not [m for _, m in notify.collect(0.2) if "READY" in m]
+    notify.close()
+    err = daemon.log()
+    assert str(config.resolve()) in err and "'keeep'" in err and "did you mean 'keep'" in err
+    assert not (tmp_path / "nw.db").exists()
+
+
+def test_a_taken_metrics_port_fails_at_start(tmp_path: Path, logs: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(
+            tmp_path / "nw.toml", [logs], f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+        )
+        daemon = Daemon(tmp_path, config)
+        try:
+            assert daemon.proc.wait(60) == 78
+        finally:
+            daemon.kill()
+    assert "[metrics] listen" in daemon.log() and "pick a free port" in daemon.log()
