@@ -180,6 +180,12 @@ class Tracker:
                     continue  # hard link or the same file under two roots
                 seen.add(key)
                 rec = self.records.get(key)
+                if rec is not None and rec.path != path and not self._same_bytes(rec, path):
+                    # the inode of a file deleted while we were away, reused by another one
+                    # (perhaps a rotated copy): not a rename; the new file is judged afresh
+                    log.info("%s: gone (its inode now holds %s)", rec.path, path)
+                    self._retire(rec, "gone")
+                    rec = None
                 if rec is not None:
                     self.suspects.discard(key)
                     if rec.path != path:
@@ -254,6 +260,19 @@ class Tracker:
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec
+
+    def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
+        """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
+        if rec.offset <= 0 or rec.tail_hash is None:
+            return True  # nothing read yet: nothing to compare, a rename is the likely story
+        try:
+            with open(path, "rb") as f:
+                lo = max(0, rec.offset - TAIL)
+                f.seek(lo)
+                tail = f.read(rec.offset - lo)
+        except OSError:
+            return False
+        return len(tail) == rec.offset - lo and _digest(tail) == rec.tail_hash
 
     def _gen(self, dev: int, ino: int, at_least: int = 0) -> int:
         used = [
