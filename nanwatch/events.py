@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import time as _time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,3 +101,20 @@ def parse_utc(text: str) -> float:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=_dt.timezone.utc)
     return dt.timestamp()
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """[0,1,2,3,5] -> '0-3,5'."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return "-"
+    parts = []
+    start = prev = rs[0]
+    for r in rs[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = r
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(parts)

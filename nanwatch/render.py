@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from .events import ranks_text as ranks_text  # re-exported for the CLI and sinks
 
 _BOLD = "\x1b[1m"
 _RED = "\x1b[31m"
@@ -33,23 +35,6 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, max_width: i
     lines = [fmt(list(headers)), fmt(["-" * w for w in widths])]
     lines += [fmt(r) for r in cells]
     return "\n".join(lines)
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """[0,1,2,3,5] -> '0-3,5'."""
-    rs = sorted(set(ranks))
-    if not rs:
-        return "-"
-    parts = []
-    start = prev = rs[0]
-    for r in rs[1:]:
-        if r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        start = prev = r
-    parts.append(f"{start}-{prev}" if prev > start else str(start))
-    return ",".join(parts)
 
 
 def where_text(o: Mapping[str, Any]) -> str:

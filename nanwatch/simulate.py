@@ -425,7 +425,9 @@ def hccl_ei0002(when: _dt.datetime, rank: int, remote: int, *, pid: int) -> list
     ]
 
 
-def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingRun]:
+def seed_scenario(
+    base: Path, *, ranks: int = 8, iters: int = 200
+) -> tuple[TrainingRun, TrainingRun]:
     """The seed case in two launches of one experiment (one work_dir).
 
     Run A: rank 3 runs out of NPU memory in validation after epoch 2; the seven other ranks
@@ -433,6 +435,7 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
     Run B: validation off, every step ~3.3x slower (grid_sample on the CPU), msprobe's monitor
     on: the unreduced gradient of ``label_embedding`` goes NaN on rank 6 first (an empty
     embedding input on CANN < 8.0.0), the reduced gradients on every rank, then the loss.
+    ``iters`` per epoch sets the length (the demo uses 100).
     """
     work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
     run_a = TrainingRun(
@@ -440,7 +443,7 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
         timestamp="20261130_101500",
         ranks=ranks,
         epochs=3,
-        iters=200,
+        iters=iters,
         log_interval=10,
         step_time=0.86,
         nan_rank=None,
@@ -450,18 +453,21 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
         oom_val_iter=40,
         seed=1,
     )
+    # the NaN is born in epoch 3 (epoch 2 for short runs), at 64% of it: the loss of the next
+    # logged iteration is NaN; msprobe is switched on a little before it
+    nan_step = (2 if iters >= 200 else 1) * iters + iters * 64 // 100 - 1
     run_b = TrainingRun(
         work_dir,
         timestamp="20261201_090000",
         ranks=ranks,
-        epochs=4,
-        iters=200,
+        epochs=4 if iters >= 200 else 3,
+        iters=iters,
         log_interval=10,
         step_time=2.84,
         nan_rank=6,
         nan_at=None,
-        msprobe_nan_step=527,  # epoch 3, iteration 128: the loss is NaN from iteration 130
-        msprobe_from=500,
+        msprobe_nan_step=nan_step,
+        msprobe_from=nan_step - 27,
         stop_after_nan=3,
         start=_dt.datetime(2026, 12, 1, 9, 0, 0),
         seed=2,
@@ -470,37 +476,5 @@ def seed_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingR
 
 
 def demo_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingRun]:
-    """The seed case, shortened for `nanwatch demo` (same story as :func:`seed_scenario`)."""
-    work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
-    run_a = TrainingRun(
-        work_dir,
-        timestamp="20261130_101500",
-        ranks=ranks,
-        epochs=3,
-        iters=100,
-        log_interval=10,
-        step_time=0.86,
-        nan_rank=None,
-        nan_at=None,
-        val_after_epoch=2,
-        oom_rank=3,
-        oom_val_iter=40,
-        seed=1,
-    )
-    run_b = TrainingRun(
-        work_dir,
-        timestamp="20261201_090000",
-        ranks=ranks,
-        epochs=3,
-        iters=100,
-        log_interval=10,
-        step_time=2.84,
-        nan_rank=6,
-        nan_at=None,
-        msprobe_nan_step=157,  # epoch 2, iteration 58: the loss is NaN from iteration 60
-        msprobe_from=140,
-        stop_after_nan=3,
-        start=_dt.datetime(2026, 12, 1, 9, 0, 0),
-        seed=2,
-    )
-    return run_a, run_b
+    """The seed case, shortened for `nanwatch demo` (the same story as :func:`seed_scenario`)."""
+    return seed_scenario(base, ranks=ranks, iters=100)

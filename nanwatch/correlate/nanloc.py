@@ -328,6 +328,6 @@ def _cross_rank(rank: int | None, by_rank: Mapping[int | None, list[Finding]]) -
 
 
 def ranks_of(ranks: Sequence[int]) -> str:
-    from ..render import ranks_text
+    from ..events import ranks_text
 
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"

@@ -8,29 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import parse_utc
+from ..events import parse_utc, ranks_text
 
 
 @dataclass
 class Story:
     title: str
     detail: dict[str, Any] = field(default_factory=dict)
-
-
-def ranks_text(ranks: Any) -> str:
-    rs = sorted(set(ranks))
-    if not rs:
-        return "-"
-    parts: list[str] = []
-    start = prev = rs[0]
-    for r in rs[1:]:
-        if r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        start = prev = r
-    parts.append(f"{start}-{prev}" if prev > start else str(start))
-    return ",".join(parts)
 
 
 def _at(o: Mapping[str, Any]) -> str:

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..events import TAGS
+
 # msprobe matches its own folders with `([\w-]{0,20})-rank(\d{1,5})-`; the time is '%b%d_%H-%M-%S'
 RANK_DIR = re.compile(
     r"^(?P<ts>[A-Za-z]{3}\d{2}_\d{2}-\d{2}-\d{2})-rank(?P<rank>\d{1,5})-(?P<uid>[0-9A-Za-z]{1,32})$"
@@ -29,18 +31,7 @@ _V2_CSV = re.compile(
 _ANOMALY = re.compile(r"(?:^|/)anomaly_detected/rank(?P<rank>\d{1,5})/anomaly\.json$")
 _STRUCT = re.compile(r"(?:^|/)module_struct/rank(?P<rank>\d{1,5})/module_struct\.json$")
 
-V1_FAMILIES = frozenset(
-    (
-        "actv",
-        "actv_grad",
-        "grad_unreduced",
-        "grad_reduced",
-        "exp_avg",
-        "exp_avg_sq",
-        "param_origin",
-        "param_updated",
-    )
-)
+V1_FAMILIES = frozenset(TAGS)  # msprobe's CSV prefixes are the vocabulary's tensor tags
 # Families msprobe also writes that carry no per-tensor NaN statistics nanwatch uses.
 V1_OTHER = frozenset(
     ("other", "linear_hook", "attention_hook", "moe_router_weight_hook", "moe_router_logit_hook")
