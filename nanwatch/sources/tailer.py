@@ -264,7 +264,9 @@ class Tracker:
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
         if rec.offset <= 0 or rec.tail_hash is None:
-            return True  # nothing read yet: nothing to compare, a rename is the likely story
+            # nothing read yet: a rename cannot be told from a reused inode, and judging the
+            # file afresh loses and doubles nothing (and lets a rotated copy be recognised)
+            return False
         try:
             with open(path, "rb") as f:
                 lo = max(0, rec.offset - TAIL)
