@@ -181,10 +181,12 @@ class Tracker:
                 seen.add(key)
                 rec = self.records.get(key)
                 if rec is not None and rec.path != path and not self._same_bytes(rec, path):
-                    # the inode of a file deleted while we were away, reused by another one
-                    # (perhaps a rotated copy): not a rename; the new file is judged afresh
-                    log.info("%s: gone (its inode now holds %s)", rec.path, path)
-                    self._retire(rec, "gone")
+                    # renamed and emptied (copytruncate, then a rename), or the inode of a file
+                    # deleted while we were away, reused: either way the bytes read are not
+                    # here; the old generation stays a twin for copies of it, the file is
+                    # judged afresh
+                    log.info("%s: its inode now holds other bytes at %s", rec.path, path)
+                    self._retire(rec, "truncated")
                     rec = None
                 if rec is not None:
                     self.suspects.discard(key)
@@ -406,11 +408,13 @@ class Tracker:
     def _retire(self, rec: SourceRecord, status: str) -> None:
         self.close_fd(rec)
         rec.status = status
-        self.records.pop(rec.key, None)
-        if status in ("truncated", "rotated"):
-            rec.since = time.monotonic()
-            self.retired.append(rec)
-            self.retired = self.retired[-256:]
+        if self.records.get(rec.key) is rec:
+            del self.records[rec.key]
+        # kept a while: truncated/rotated generations are twins for rotated copies, and every
+        # status change is stored by the pipeline
+        rec.since = time.monotonic()
+        self.retired.append(rec)
+        self.retired = self.retired[-256:]
 
     def check(self, rec: SourceRecord) -> str:
         """Verify a record before reading: 'ok', 'truncated', 'replaced' or 'gone'."""
