@@ -112,6 +112,7 @@ class Probe:
         self.stage_now = "train"
         self.empty_samples = 0
         self.suppressed = 0
+        self.lines = 0  # records printed
         self._bucket = _Bucket(lines_per_minute / 60.0, burst)
         self._console: bool | None = None
         self._lock = threading.Lock()
@@ -122,6 +123,7 @@ class Probe:
     def emit(self, kind: str, payload: Mapping[str, Any]) -> str:
         line = encode(kind, payload)
         with self._lock:
+            self.lines += 1
             if self.logger is not None:
                 self.logger.info(line)
                 if self._logger_console():
@@ -225,7 +227,7 @@ class Probe:
                 | _compact({"image": image, "image_id": image_id})
                 | {"reason": EMPTY_GT, "index": i, "batch_size": len(samples)}
             )
-        if len(empty) == len(samples):
+        if len(empty) == len(samples) > 1:  # (a batch of one says so with batch_size 1)
             self._data(
                 where
                 | {"reason": EMPTY_BATCH, "batch_size": len(samples)}
