@@ -70,6 +70,13 @@ def test_records_that_do_not_parse_are_ignored(line: str) -> None:
     assert feed(line + "\n") == ([], [])
 
 
+def test_a_huge_line_is_no_record() -> None:
+    line = "NANWATCH-DATA {" + '"image": "x", ' * 20000 + '"reason": "empty ground truth"}'
+    assert feed(line + "\n") == ([], [])
+    hostile = "NANWATCH-DATA {}" * 50000 + " tail"
+    assert feed(hostile + "\n") == ([], [])
+
+
 def test_facts_from_a_log_are_checked() -> None:
     hostile = {
         "rank": -1,

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from nanwatch.detect import companion
+
 from .conftest import NANWATCH, nanwatch, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -126,6 +128,18 @@ def test_hook_facts_and_empty_ground_truth_of_a_real_mmengine_run(tmp_path: Path
         (IMAGE.format(34), 0, 9),
     }
     assert "empty-gt-samples-seen" in [h["id"] for h in inc["hints"]]
+    # validation was marked on both ranks (rank 0 through its logger, rank 1 on stderr)
+    marks = [
+        (d["rank"], d["stage"], d["event"])
+        for line in (work / "stdout.log").read_text().splitlines()
+        if (rec := companion.parse(line)) and rec[0] == "STAGE" and (d := rec[1])["stage"] == "val"
+    ]
+    assert sorted(marks) == [
+        (0, "val", "end"),
+        (0, "val", "start"),
+        (1, "val", "end"),
+        (1, "val", "start"),
+    ]
     text = nanwatch("show", str(inc["id"]), "--db", str(db)).stdout
     assert f"rank 1, epoch 1, iter 7: {IMAGE.format(25)} (image_id 25)" in text
     assert f"rank 0, epoch 1, iter 9: {IMAGE.format(34)} (image_id 34)" in text

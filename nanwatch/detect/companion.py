@@ -27,6 +27,7 @@ from ..events import Event, format_utc
 PREFIX = b"NANWATCH-"
 TYPES = ("FACTS", "DATA", "STAGE", "MEMORY")
 _RECORD = re.compile(r"NANWATCH-(FACTS|DATA|STAGE|MEMORY) (\{.*\})\s*$")
+RECORD_MAX = 64 * 1024
 _TEXT_MAX = 1000
 _KEYS_MAX = 64
 _INT_FACTS = ("world_size", "rank", "local_rank")
@@ -64,7 +65,10 @@ def line_starts(chunk: bytes) -> set[int]:
 
 def parse(text: str) -> tuple[str, dict[str, Any]] | None:
     """``(type, payload)`` of the record in a decoded line, or None."""
-    m = _RECORD.search(text)
+    at = text.find("NANWATCH-")
+    if at < 0 or len(text) - at > RECORD_MAX:
+        return None  # records are small; a huge line is not one (and is never parsed whole)
+    m = _RECORD.match(text, at)
     if m is None:
         return None
     try:

@@ -13,3 +13,11 @@ optim_wrapper = dict(optimizer=dict(type="SGD", lr=0.01))
 train_cfg = dict(by_epoch=True, max_epochs=1)
 default_hooks = dict(logger=dict(type="LoggerHook", interval=5))
 randomness = dict(seed=0)
+val_dataloader = dict(
+    dataset=dict(type="ToyDetDataset"),
+    sampler=dict(type="DefaultSampler", shuffle=False),
+    batch_size=4,
+    num_workers=0,
+)
+val_cfg = dict()
+val_evaluator = dict(type="ToyCount")

@@ -11,6 +11,8 @@ DefaultSampler gives rank r the samples r, r+2, ...), rank r's iteration k holds
 
 - sample 25 (EMPTY[0]) is rank 1's iteration 7, sample 34 (EMPTY[1]) rank 0's iteration 9;
 - sample 36 (POISON) has a NaN feature: rank 0's iteration 10, where the loss turns NaN.
+
+Validation follows the epoch (the hook marks its start and end).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.dataset import DefaultSampler  # noqa: F401 - registers the sampler
+from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
+from mmengine.registry import DATASETS, METRICS, MODELS
 from mmengine.runner import Runner
 from mmengine.structures import BaseDataElement, InstanceData
 from torch.utils.data import Dataset
@@ -70,6 +73,17 @@ class ToyDetector(BaseModel):
             return out
         target = torch.tensor([float(len(s.gt_instances.labels)) for s in data_samples])
         return {"loss": (out - target).pow(2).mean()}
+
+
+@METRICS.register_module()
+class ToyCount(BaseMetric):
+    """Validation after the epoch: the hook marks its start and end."""
+
+    def process(self, data_batch, data_samples) -> None:  # type: ignore[no-untyped-def]
+        self.results.append(len(data_samples))
+
+    def compute_metrics(self, results: list[int]) -> dict[str, float]:
+        return {"samples": float(sum(results))}
 
 
 def main() -> None:
