@@ -229,6 +229,26 @@ def test_collective_timeouts_from_the_runs_facts(
         store.close()
 
 
+def test_samples_far_from_the_nan_are_not_its_known_cause(tmp_path: Path) -> None:
+    src = GOLDEN / "20261130_101500"
+    rank6 = (src / "rank6.stderr.log").read_text().splitlines()
+    rank0 = (src / "20261130_101500.log").read_text().splitlines(keepends=True)
+    files = {
+        "20261130_101500/20261130_101500.log": "".join(
+            x for x in rank0 if "NANWATCH-DATA" not in x
+        ),
+        # only the sample of iteration 20, long before the last finite iteration (100)
+        "20261130_101500/rank6.stderr.log": "\n".join(rank6[:2]) + "\n",
+    }
+    store = scan(tmp_path, files)
+    try:
+        (inc,) = list_incidents(store.conn)
+        assert "related_data_issues" not in inc["detail"]
+        assert "empty-gt-samples-seen" not in [h["id"] for h in inc["hints"]]
+    finally:
+        store.close()
+
+
 def test_config_timeouts_still_win(tmp_path: Path) -> None:
     told = {"rank": 2, "timeouts": {"HCCL_EXEC_TIMEOUT": 3600}}
     files = {
