@@ -7,6 +7,7 @@ sender thread only reads and reports back.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from .correlate import Change, Correlator
 from .correlate.chains import Timeouts
 from .correlate.knowledge import Knowledge
 from .detect import Detector, RuleSet, load_rules
+from .detect.companion import run_update
 from .detect.msprobe import MonitorReader
 from .detect.msprobe.reader import Rewritten
 from .errors import StoreError
@@ -61,6 +63,7 @@ class _Pending:
     events: list[Event]
     metrics: list[Metric]
     state: StreamState
+    facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
 
 
 class Pipeline:
@@ -200,7 +203,7 @@ class Pipeline:
                     batch.append(pending)
                     nevents += len(pending.events)
                 continue
-            feed = self.detector.feed if route is None else self._monitor_feed(rec.root)
+            monitor_feed = None if route is None else self._monitor_feed(rec.root)
             states: dict[int, StreamState] = {}
             for chunk in self.tracker.read(rec, final=final):
                 if chunk.final and route is not None:
@@ -212,12 +215,18 @@ class Pipeline:
                 if st is None:
                     st = copy.copy(r.state)
                 work = copy.copy(st) if chunk.final else st
-                events, metrics = feed(chunk.data, chunk.start, work, r.path)
-                if route is None and events:
-                    events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
+                facts: list[dict[str, Any]] = []
+                if monitor_feed is None:
+                    events, metrics = self.detector.feed(
+                        chunk.data, chunk.start, work, r.path, facts=facts
+                    )
+                    if events:
+                        events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
+                else:
+                    events, metrics = monitor_feed(chunk.data, chunk.start, work, r.path)
                 if not chunk.final:
                     states[id(r)] = st
-                batch.append(_Pending(chunk, events, metrics, work))
+                batch.append(_Pending(chunk, events, metrics, work, facts))
                 size += len(chunk.data)
                 nevents += len(events)
                 if size >= BATCH_BYTES or nevents >= BATCH_EVENTS:
@@ -340,6 +349,8 @@ class Pipeline:
                         ctx=p.state.to_json(),
                     )
                 n = self.store.insert_events(rec.run_id, rec.id, p.events, ingested)
+                if p.facts and rec.run_id is not None:
+                    self._record_facts(rec.run_id, p.facts)
                 self.stats.metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
                     self.stats.events.update(e.kind for e in p.events)
@@ -355,6 +366,12 @@ class Pipeline:
         self.stats.last_commit = time.time()
         if self.on_progress is not None:
             self.on_progress()
+
+    def _record_facts(self, run_id: int, facts: list[dict[str, Any]]) -> None:
+        """Facts a run's lines told (companion records, environment reports), with its events."""
+        row = self.store.conn.execute("SELECT facts FROM runs WHERE id = ?", (run_id,)).fetchone()
+        current = json.loads(row[0]) if row and row[0] else {}
+        self.store.update_run_facts(run_id, run_update(current, facts))
 
     # -- scan ------------------------------------------------------------------------------------
 

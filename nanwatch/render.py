@@ -68,6 +68,17 @@ def origin_text(o: Mapping[str, Any]) -> str:
     return text
 
 
+def sample_text(d: Mapping[str, Any]) -> str:
+    """One sample finding: 'rank 6, epoch 3, iter 120: data/x.jpg (image_id 139)'."""
+    where = where_text({k: d.get(k) for k in ("rank", "epoch", "iter")}) or "-"
+    if d.get("reason") == "empty batch":
+        return f"{where}: every sample of the batch has empty ground truth"
+    what = str(d.get("image") or "a sample")
+    if d.get("image_id") is not None:
+        what += f" (image_id {d['image_id']})"
+    return f"{where}: {what}"
+
+
 def render_incident_line(inc: Mapping[str, Any], *, prefix: str | None = None) -> str:
     head = f"[{prefix}] " if prefix else ""
     return (
@@ -101,6 +112,13 @@ def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int
         )
     for note in detail.get("notes", []):
         lines.append(f"  - {note}")
+    related = detail.get("related_data_issues") or []
+    if related:
+        lines.append(_c("  Samples with empty ground truth just before it:", _BOLD, color))
+        for d in related[:10]:
+            lines.append(f"    {sample_text(d)}")
+        if len(related) > 10:
+            lines.append(f"    ... {len(related) - 10} more (nanwatch events --kind data_issue)")
     timeline = inc.get("timeline")
     if timeline:
         lines.append(_c("  Timeline:", _BOLD, color))

@@ -32,6 +32,8 @@ class StreamState:
     # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
     blocks: dict[str, list[Any]] = field(default_factory=dict)
     last_time: str | None = None
+    # the rank the in-process companion announced in this stream; -1: several did (a shared one)
+    announced: int | None = None
     line_no: int = 0  # complete lines consumed before the committed offset
     # structured readers (msprobe CSV / dumps): header, row position, family counts; replaced,
     # never mutated in place, because the pipeline copies states shallowly

@@ -229,7 +229,9 @@ def test_healthy_iteration_lines_never_reach_the_line_rules(tmp_path: Path) -> N
     lines = data.count(b"\n")
     candidates, chunk_hits = DETECTOR._c.scan(data)
     assert len(chunk_hits) >= 120  # every iteration line reaches its chunk rule...
-    assert len(candidates) <= 0.05 * lines  # ...and (nearly) nothing else is looked at
+    # ...and (nearly) nothing else is looked at, once the environment report (run facts) is over
+    body = data.index(b"Epoch(train)")
+    assert len([s for s in candidates if s > body]) <= 0.05 * lines
     events, metrics = DETECTOR.feed(data, 0, StreamState(), "rank0.log")
     assert events == []
     assert len(metrics) == 120

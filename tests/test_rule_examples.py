@@ -22,15 +22,27 @@ def _cases() -> list[Any]:
     return cases
 
 
-def run_example(ex: Example) -> tuple[list[Any], list[Any], StreamState]:
+def run_example(
+    ex: Example, facts: list[dict[str, Any]] | None = None
+) -> tuple[list[Any], list[Any], StreamState]:
     state = StreamState()
     if ex.file:
         from nanwatch.sources.discover import rank_from_path
 
         state.rank = rank_from_path(ex.file)
     data = "".join(line + "\n" for line in ex.lines).encode("utf-8")
-    events, metrics = DETECTOR.feed(data, 0, state, ex.file)
+    events, metrics = DETECTOR.feed(data, 0, state, ex.file, facts=facts)
     return events, metrics, state
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 def _same(expected: Any, actual: Any) -> bool:
@@ -41,7 +53,13 @@ def _same(expected: Any, actual: Any) -> bool:
 
 @pytest.mark.parametrize(("rule", "example"), _cases())
 def test_example(rule: Any, example: Example) -> None:
-    events, metrics, state = run_example(example)
+    told: list[dict[str, Any]] = []
+    events, metrics, state = run_example(example, told)
+    if example.facts is not None:
+        got: dict[str, Any] = {}
+        for f in told:
+            got.update(_flat(f))
+        assert got == dict(example.facts), f"{rule.id}: facts {got}, want {dict(example.facts)}"
     if example.events is not None:
         assert len(events) == example.events, [e.message for e in events]
     if example.event is not None:
@@ -65,6 +83,7 @@ def test_example(rule: Any, example: Example) -> None:
         and not example.state
         and example.metrics is None
         and example.events is None
+        and example.facts is None
     ):
         assert not events, f"{rule.id}: unexpected event {events[0].message!r}"
     for key, want in example.state.items():

@@ -40,6 +40,25 @@ class Timeouts:
             return self.nccl
         return DEFAULT_TIMEOUT.get(b, 1800.0)
 
+    def with_facts(self, facts: Mapping[str, Any]) -> Timeouts:
+        """These (configured) timeouts, else those the run said were in force (its facts):
+        ``HCCL_EXEC_TIMEOUT`` for HCCL; ``NCCL_TIMEOUT``, else the process group's timeout of
+        an NCCL group, for NCCL."""
+        told = facts.get("timeouts") if isinstance(facts, Mapping) else None
+        if not isinstance(told, Mapping):
+            return self
+        hccl = self.hccl or _seconds(told.get("HCCL_EXEC_TIMEOUT"))
+        nccl = self.nccl or _seconds(told.get("NCCL_TIMEOUT"))
+        if not nccl and "nccl" in str(facts.get("backend") or ""):
+            nccl = _seconds(told.get("pg_timeout"))
+        return Timeouts(hccl, nccl)
+
+
+def _seconds(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    return None
+
 
 def event_time(ev: Mapping[str, Any]) -> float | None:
     """The event's own time, else the last time its stream printed (tracebacks have none)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..events import format_utc, now_utc
 from ..store.db import Store
-from . import slowdown
+from . import samples, slowdown
 from .chains import ROOT_KINDS, SYMPTOM_KINDS, Root, Timeouts, absorbs, links, roots_of_run
 from .origin import origin_for, origin_of
 from .story import describe
@@ -154,8 +154,11 @@ class Correlator:
             return (0 if k in ROOT_KINDS else 2 if k in SYMPTOM_KINDS else 1, e["id"])
 
         touched_runs: set[Any] = set()
+        data_runs: set[Any] = set()
         for ev in sorted(events, key=rank_of_kind):
             if ev["fields"].get("incident") is False:
+                if ev["kind"] == "data_issue":
+                    data_runs.add(ev["run_id"])
                 continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
             inc = None
             if ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure":
@@ -170,6 +173,11 @@ class Correlator:
             acc.new_events.append(ev)
             if ev["kind"] in ROOT_KINDS or ev["kind"] in SYMPTOM_KINDS:
                 touched_runs.add(ev["run_id"])
+        for run_id in data_runs:
+            # samples reported after the NaN's incident opened (another rank's file read later)
+            inc = self._open_incident(run_id, "nan", accs)
+            if inc is not None:
+                accs.setdefault(inc["id"], _Acc(inc))
         for acc in list(accs.values()):
             self._attach(acc)
         for run_id in touched_runs:
@@ -183,13 +191,14 @@ class Correlator:
 
     def _root_for(self, ev: Mapping[str, Any], accs: Mapping[int, _Acc]) -> dict[str, Any] | None:
         """The open root-cause incident this symptom follows from, if any."""
+        timeouts = self._timeouts(ev["run_id"])
         for root in roots_of_run(self.store.conn, ev["run_id"]):
             if root.kind == ev["kind"]:
                 continue
             if ev["kind"] == "process_failure":
                 if root.kind != "oom" or not absorbs(root, _as_root(ev)):
                     continue
-            elif not links(root, ev, self.timeouts):
+            elif not links(root, ev, timeouts):
                 continue
             acc = accs.get(root.incident_id)
             return acc.incident if acc else self._load(root.incident_id)
@@ -200,6 +209,7 @@ class Correlator:
         roots = roots_of_run(self.store.conn, run_id)
         if not roots:
             return
+        timeouts = self._timeouts(run_id)
         rows = self.store.conn.execute(
             "SELECT id, kind FROM incidents WHERE run_id IS ? AND status = 'open' "
             "AND kind IN ('comm_timeout', 'comm_error', 'process_failure') ORDER BY id",
@@ -223,7 +233,7 @@ class Correlator:
                 if kind == "process_failure":
                     ok = root.kind == "oom" and absorbs(root, _as_root(evs[0]))
                 else:
-                    ok = any(links(root, e, self.timeouts) for e in evs)
+                    ok = any(links(root, e, timeouts) for e in evs)
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break
@@ -339,6 +349,10 @@ class Correlator:
         # an origin function may have written its own story into the row (the NaN one does)
         row = self.store.conn.execute("SELECT detail FROM incidents WHERE id=?", (iid,)).fetchone()
         detail = {**json.loads(row[0] or "{}"), **story.detail}
+        if inc["kind"] == "nan":
+            related = samples.related(self.store.conn, inc["run_id"], origin)
+            if related:
+                detail["related_data_issues"] = related
         hints = (
             self.knowledge.hints_for(self.store.conn, iid, inc["kind"], origin, detail, run)
             if self.knowledge is not None
@@ -379,6 +393,10 @@ class Correlator:
         if not material:
             return None
         return Change(iid, "open" if acc.created else "update", version, news)
+
+    def _timeouts(self, run_id: Any) -> Timeouts:
+        """The config's collective timeouts, else those the run's facts say were in force."""
+        return self.timeouts.with_facts(self._run(run_id).get("facts") or {})
 
     def _run(self, run_id: Any) -> dict[str, Any]:
         row = self.store.conn.execute(

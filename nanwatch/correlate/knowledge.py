@@ -42,6 +42,7 @@ from typing import Any
 
 from ..errors import RuleError
 from .facts import HOW_TO_FIND, node_cann_version, satisfies
+from .samples import SAMPLE_REASONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -362,11 +363,14 @@ class Knowledge:
             known.setdefault(name, pair)
         versions = {k: v for k, (v, _) in known.items()}
         sources = {k: where for k, (_, where) in known.items()}
-        data_issue = (
+        # samples with empty ground truth count when they came just before this incident (the
+        # NaN story links them); other data issues (msprobe's empty tensors) anywhere in the run
+        data_issue = bool(detail.get("related_data_issues")) or (
             bool(
                 conn.execute(
-                    "SELECT 1 FROM events WHERE run_id IS ? AND kind = 'data_issue' LIMIT 1",
-                    (run.get("id"),),
+                    "SELECT 1 FROM events WHERE run_id IS ? AND kind = 'data_issue' AND "
+                    "coalesce(json_extract(fields, '$.reason'), '') NOT IN (?, ?) LIMIT 1",
+                    (run.get("id"), *SAMPLE_REASONS),
                 ).fetchone()
             )
             if run.get("id") is not None

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..events import DEVICES, Event, Metric
 from ..stream import StreamState
+from . import companion
 from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
 from .timestamps import TimeParser
 
@@ -41,6 +42,7 @@ _FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
+MEMORY_PRIORITY = -100  # a companion memory summary never outranks a rule's detection
 
 
 def decode_line(raw: bytes) -> str:
@@ -169,6 +171,7 @@ class _Feed:
     prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
     skip_to: int = -1  # lines consumed by a multi-line match end here
     first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
+    facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
 
 
 class Detector:
@@ -184,14 +187,24 @@ class Detector:
     # -- public ----------------------------------------------------------------------------------
 
     def feed(
-        self, chunk: bytes, base_offset: int, state: StreamState, file: str | None = None
+        self,
+        chunk: bytes,
+        base_offset: int,
+        state: StreamState,
+        file: str | None = None,
+        *,
+        facts: list[dict[str, Any]] | None = None,
     ) -> tuple[list[Event], list[Metric]]:
         """Process ``chunk`` (complete lines only) that starts at byte ``base_offset``.
 
         Updates ``state`` in place (line count, context) and returns what the lines yield.
+        Run facts the lines tell (versions, world size, timeouts...) are appended to ``facts``
+        when it is given.
         """
         c = self._c
         candidates, chunk_hits = c.scan(chunk)
+        # the in-process companion's records (one cheap search; most chunks have none)
+        records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()
         # chunk rules: one bytes match on each line that holds one of their literals
         hits: dict[int, list[tuple[Rule, Any]]] = {}
         for start, idxs in chunk_hits.items():
@@ -204,7 +217,7 @@ class Detector:
                 m = rule.chunk_cre.search(chunk, start, end)
                 if m is not None:
                     hits.setdefault(start, []).append((rule, m))
-        if not hits and not candidates:
+        if not hits and not candidates and not records:
             state.line_no += chunk.count(b"\n")
             return [], []
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
@@ -212,13 +225,17 @@ class Detector:
         f = _Feed(chunk, base_offset, file)
         line_no = state.line_no
         pos = 0
-        for start in sorted(hits.keys() | candidates):
+        for start in sorted(hits.keys() | candidates | records):
             line_no += chunk.count(b"\n", pos, start)
             pos = start
             end = chunk.find(b"\n", start)
             if end < 0:
                 end = len(chunk)
             this_line = line_no + 1
+            if start in records:
+                # a structured record: read whole, never by the rule packs
+                self._record(chunk[start:end], state, this_line, start, f)
+                continue
             prefix_attrs: dict[str, Any] = {}
             text = raw = ""
             is_candidate = start in candidates and start >= f.skip_to
@@ -236,6 +253,8 @@ class Detector:
             if no_epoch and state.epoch is not None and f.first_epoch is None:
                 f.first_epoch = (this_line, state.epoch)
         state.line_no += chunk.count(b"\n")
+        if facts is not None:
+            facts.extend(f.facts)
         if f.first_epoch is not None:
             # a report printed before the stream named any epoch belongs to the epoch that the
             # progress lines right after it name
@@ -281,11 +300,13 @@ class Detector:
                     )
         state = StreamState()
         data = "".join(x + "\n" for x in text.splitlines()).encode("utf-8")
-        events, metrics = self.feed(data, 0, state, None)
+        facts: list[dict[str, Any]] = []
+        events, metrics = self.feed(data, 0, state, None, facts=facts)
         return {
             "matches": matches,
             "events": [dataclasses.asdict(e) for e in events],
             "metrics": [dataclasses.asdict(m) for m in metrics],
+            "facts": companion.run_update({}, facts),
             "state": {
                 k: getattr(state, k)
                 for k in ("stage", "epoch", "iter", "step", "rank")
@@ -313,6 +334,64 @@ class Detector:
             else:
                 break
         return text, attrs
+
+    def _record(self, raw: bytes, state: StreamState, line_no: int, start: int, f: _Feed) -> None:
+        """A companion record (see ``companion.py``)."""
+        text, prefix_attrs = self._strip_prefixes(decode_line(raw))
+        rec = companion.parse(text)
+        if rec is None:
+            return
+        kind, data = rec
+        when = companion.record_time(data)
+        if when is not None:
+            state.last_time = when  # a traceback after it has no time of its own
+        if kind == "FACTS":
+            told = companion.run_facts(data)
+            if told:
+                f.facts.append(told)
+            state.device = state.device or companion.device_type(told)
+            rank = told.get("rank")
+            if isinstance(rank, int) and "rank" not in prefix_attrs:
+                self._announced(state, rank)
+            return
+        if kind == "STAGE":
+            state.stage = companion.stage_after(data, state.stage)
+            return
+        where = {
+            "offset": f.base + start,
+            "file": f.file,
+            "line": line_no,
+            "rank": prefix_attrs.get("rank", state.rank),
+            "local_rank": prefix_attrs.get("local_rank", state.local_rank),
+            "node": prefix_attrs.get("node", state.node),
+            "epoch": state.epoch,
+            "iter": state.iter,
+            "step": state.step,
+            "stage": state.stage,
+            "device": state.device,
+            "time": state.last_time,
+        }
+        if kind == "DATA":
+            f.events.append(companion.data_event(data, **where))
+        elif kind == "MEMORY":
+            ev = companion.memory_event(data, **where)
+            if ev is not None:
+                # below every rule: the traceback's own line keeps the report's kind and message,
+                # the summary adds what held the memory
+                self._report(ev, MEMORY_PRIORITY, state, line_no, f)
+
+    @staticmethod
+    def _announced(state: StreamState, rank: int) -> None:
+        """A process announced its rank in this stream: the stream is that rank's, unless
+        another rank announces itself in it too (stdout and stderr of several ranks)."""
+        if state.announced is None:
+            state.announced = rank
+            if state.rank is None:
+                state.rank = rank
+        elif state.announced not in (rank, -1):
+            if state.rank == state.announced:
+                state.rank = None
+            state.announced = -1
 
     def _following(self, chunk: bytes, end: int, n: int) -> list[tuple[str, int]]:
         """Up to ``n`` lines after the one ending at ``end``: (text without prefixes, end)."""
@@ -501,6 +580,10 @@ class Detector:
             if rule.metrics:
                 metrics_offset = f.base + start
                 f.metrics.append(self._metric(rule, g, state, metrics_offset, when, prefix_attrs))
+            if rule.facts:
+                told = rule_facts(rule, g)
+                if told:
+                    f.facts.append(told)
         for rule in ev_rules:
             if not any(lit in text for lit in rule.literals):
                 continue
@@ -724,6 +807,46 @@ class Detector:
         f.prios[idx] = prio
         f.opened[key] = idx
         blocks[key] = [family, line_no, prio, ev.kind]
+
+
+def rule_facts(rule: Rule, groups: Mapping[str, Any]) -> dict[str, Any]:
+    """The run facts a context rule's match tells: ``facts = { "versions.torch" = "{torch}" }``
+    (a template that is one group takes that group's typed value; groups that did not take
+    part leave their fact out)."""
+    out: dict[str, Any] = {}
+    for path, template in rule.facts.items():
+        whole = _WHOLE_GROUP.fullmatch(template)
+        if whole:
+            raw = groups.get(whole.group(1))
+            if raw is None or raw == "":
+                continue
+            typ = rule.types.get(whole.group(1), "str")
+            value: Any = convert(raw, typ) if isinstance(raw, str) else raw
+        else:
+            try:
+                value = template.format_map(_Strict(groups))
+            except KeyError:
+                continue
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+_WHOLE_GROUP = re.compile(r"\{(\w+)\}")
+
+
+class _Strict(dict[str, Any]):
+    def __missing__(self, key: str) -> str:
+        raise KeyError(key)
+
+    def __getitem__(self, key: str) -> Any:
+        v = super().__getitem__(key)
+        if v is None:
+            raise KeyError(key)
+        return v
 
 
 class _Missing(dict[str, Any]):

@@ -52,6 +52,11 @@ Optional rule keys (all backward compatible):
   iteration line: it closes open failure reports and clears traceback hints. A hint rule may
   also name a ``rank`` (``RankID:8`` in an error line): it stands for the next events' rank.
 - metric groups named ``*_ms`` are converted to seconds.
+- ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
+  ``nanwatch runs --json`` shows and the knowledge base reads):
+  ``facts = { "versions.torch" = "{torch}", "device.type" = "cuda" }``. A template that is one
+  group takes that group's value, typed by ``types`` (``int``, ``float``, ``bool``, ...); a
+  group that did not take part leaves its fact out. Examples check them with ``facts = {...}``.
 
 Lines are decoded as UTF-8 (GBK when that fails, else with replacement), ANSI colours are
 removed, ``\r``-glued progress updates are read as their last update for context, and a long
@@ -105,10 +110,12 @@ FIELD_TYPES: dict[str, str] = {
     "num_inf": "int",
     "heartbeat_timeout_s": "int",
 }
+_FACT_PATH = re.compile(r"[a-z_]+(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 _INT_ATTRS = {"rank", "local_rank", "epoch", "iter", "step"}
 _STATE_KEYS = {"stage", "epoch", "iter", "iters", "step", "rank", "local_rank", "node", "device"}
 METRIC_NAMES = ("loss", "grad_norm", "step_time", "data_time", "lr", "memory")
-_TYPES = {"int", "float", "str", "bytes", "list"}
+_TYPES = {"int", "float", "str", "bytes", "list", "bool"}
 
 _STAGE_ALIASES = {
     "train": "train",
@@ -178,6 +185,8 @@ def convert(value: str, typ: str) -> Any:
         if typ == "bytes":
             b = parse_bytes(value)
             return value if b is None else b
+        if typ == "bool":
+            return _BOOLS.get(value.strip().lower(), value)
     except ValueError:
         return value
     return value
@@ -191,6 +200,7 @@ class Example:
     events: int | None  # expected number of events (when given)
     state: Mapping[str, Any]
     metrics: Mapping[str, Any] | None
+    facts: Mapping[str, Any] | None = None  # run facts the lines must tell
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,7 @@ class Rule:
     lines: int = 1
     alone: bool = False
     progress: bool = False  # an iteration line: closes failure reports, clears hints
+    facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
 
     @property
     def chunk(self) -> bool:
@@ -272,8 +283,9 @@ _RULE_KEYS = {
     "priority",
     "lines",
     "alone",
+    "facts",
 }
-_EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "note"}
+_EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "facts", "note"}
 
 
 def _fail(src: Path, rule_id: str | None, msg: str) -> RuleError:
@@ -344,6 +356,7 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
                 events=ex.get("events"),
                 state=ex.get("state", {}),
                 metrics=ex.get("metrics"),
+                facts=ex.get("facts"),
             )
         )
     return tuple(out)
@@ -408,7 +421,9 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
         types = dict(raw.get("types", {}))
         for fname, t in types.items():
             if t not in _TYPES:
-                raise _fail(src, rid, f"types.{fname}: unknown type {t!r} (int, float, str, bytes)")
+                raise _fail(
+                    src, rid, f"types.{fname}: unknown type {t!r} (int, float, str, bytes, bool)"
+                )
         sets = dict(raw.get("set", {}))
         for k in sets:
             if k not in _STATE_KEYS:
@@ -425,6 +440,19 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(src, rid, f"metrics.{k}: the pattern has no group named {g!r}")
         if raw.get("hint") and rtype != "context":
             raise _fail(src, rid, "`hint = true` is only for context rules")
+        facts = raw.get("facts", {})
+        if facts and rtype != "context":
+            raise _fail(src, rid, "`facts` is only for context rules")
+        if not isinstance(facts, dict):
+            raise _fail(src, rid, 'facts must be a table: { "versions.torch" = "{torch}" }')
+        for path, template in facts.items():
+            if not _FACT_PATH.fullmatch(path) or not isinstance(template, str):
+                raise _fail(
+                    src, rid, f"facts.{path}: a dotted path (versions.torch) to a string template"
+                )
+            for g in re.findall(r"\{(\w+)\}", template):
+                if g not in groups:
+                    raise _fail(src, rid, f"facts.{path}: the pattern has no group named {g!r}")
         for a in ATTRIBUTES:
             if a in (raw.get("const") or {}):
                 raise _fail(
@@ -467,6 +495,7 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 lines=nlines,
                 alone=bool(raw.get("alone", False)),
                 progress=progress,
+                facts=dict(facts),
             )
         )
 
