@@ -59,6 +59,8 @@ def iters(db: Path) -> dict[int, int]:
     conn = sqlite3.connect(db)
     try:
         return dict(conn.execute("SELECT iter, count(*) FROM events GROUP BY iter").fetchall())
+    except sqlite3.OperationalError:
+        return {}  # the daemon created the file but not its tables yet
     finally:
         conn.close()
 

@@ -120,3 +120,30 @@ def test_unterminated_last_line_is_detected_by_scan_but_not_committed(
     scan(db, str(d))
     assert count(db, "SELECT count(*) FROM events") == 1  # same bytes, same row
     assert count(db, "SELECT offset FROM sources") == len(line) + 1
+
+
+def test_stdout_written_before_the_launch_folder_joins_that_launch(
+    tmp_path: Path, db: Path
+) -> None:
+    """torchrun prints its banner to the captured stdout before mmengine makes its folder."""
+    work = tmp_path / "work_dirs" / "toy"
+    work.mkdir(parents=True)
+    (work / "stdout.log").write_text(
+        "WARNING:torch.distributed.run:Setting OMP_NUM_THREADS environment variable for each "
+        "process to be 1 in default, to avoid your system being overloaded.\n"
+    )
+    store = Store.open(db)
+    try:
+        pipe = Pipeline(Config(), store, [str(work)], live=True)
+        pipe.step()
+        run = TrainingRun(work, timestamp="20261130_101500", ranks=1, nan_rank=0, nan_at=(1, 3))
+        run.write()
+        with (work / "stdout.log").open("a") as f:
+            f.write(run.rank_path(0).read_text())
+        pipe.step()
+        runs = list_runs(store.conn)
+        pipe.tracker.close()
+    finally:
+        store.close()
+    assert [r["name"] for r in runs] == ["toy/20261130_101500"]
+    assert runs[0]["experiment"] == "toy" and runs[0]["sources"] == 2

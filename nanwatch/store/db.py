@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -22,6 +23,7 @@ from ..events import Event, Metric, now_utc
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
+_TIMESTAMP_LAUNCH = re.compile(r"(?:^|/)\d{8}_\d{6}$")  # mmengine's launch folders
 
 EVENT_COLUMNS = (
     "id, kind, time, ingested_at, run_id, source_id, offset, key, line, rank, local_rank, node, "
@@ -273,6 +275,27 @@ class Store:
         ).fetchone()
         if row:
             return int(row[0])
+        if _TIMESTAMP_LAUNCH.search(launch):
+            # The PATH's first mmengine launch folder: files that got bytes before it existed
+            # (a launcher's banner on the captured stdout) went to the PATH's own run; that run
+            # becomes this launch's run instead of being split from it. (msprobe relaunches are
+            # different: there the PATH's own run is the first launch.)
+            only = self.conn.execute(
+                "SELECT id FROM runs WHERE root=? AND launch='' AND NOT EXISTS "
+                "(SELECT 1 FROM runs r2 WHERE r2.root=? AND r2.launch != '')",
+                (root, root),
+            ).fetchone()
+            if only:
+                with self.transaction():
+                    taken = self.conn.execute(
+                        "SELECT 1 FROM runs WHERE name=? AND id != ?", (name, only[0])
+                    ).fetchone()
+                    self.execute(
+                        "UPDATE runs SET launch=?, name=?, experiment=coalesce(?, experiment) "
+                        "WHERE id=?",
+                        (launch, f"{name}~{only[0]}" if taken else name, experiment, only[0]),
+                    )
+                return int(only[0])
         base, n = name, 1
         with self.transaction():
             while self.conn.execute("SELECT 1 FROM runs WHERE name=?", (name,)).fetchone():
