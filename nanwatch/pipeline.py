@@ -565,6 +565,8 @@ class Pipeline:
         self.config = config
         self.forced_run = self._run_arg or config.cluster.run
         self._dirty_runs.update(self.run_ids())  # [cluster] may name them differently now
+        if self.live:
+            self.correlator.resolve_after = config.alerts.resolve_after
         if rules is not None:
             self.rules = rules
             self.detector = Detector(rules)
