@@ -6,6 +6,7 @@ the outbox; the real Alertmanager is driven in test_alertmanager_e2e.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -243,3 +244,30 @@ def test_basic_auth_from_the_url_never_in_errors(am: Catcher) -> None:
     with pytest.raises(DeliveryError) as e:
         AlertmanagerSink([url], timeout=1.0).post([{"labels": {"alertname": "X"}}])
     assert "s3cret" not in str(e.value) and "***@127.0.0.1" in str(e.value)
+
+
+def test_doctor_checks_every_alertmanager_url(am: Catcher, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from nanwatch.cli import cli
+
+    with Catcher() as down:
+        dead = down.url
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(
+        f'[sources]\npaths = ["{tmp_path}"]\n'
+        f'[alertmanager]\nurls = ["{dead}", "http://bob:s3cret@127.0.0.1:{am.port}"]\n'
+        '[cluster]\nnode = "node-a"\n'
+    )
+    db = tmp_path / "db" / "nw.db"
+    result = CliRunner().invoke(cli, ["doctor", "--json", "--config", str(cfg), "--db", str(db)])
+    assert result.exit_code == 1
+    assert "s3cret" not in result.output
+    findings = [json.loads(line) for line in result.output.splitlines()]
+    checks = [f for f in findings if f["check"] == "alertmanager"]
+    assert [f["status"] for f in checks] == ["fail", "fail"]
+    assert f"cannot reach {dead}" in checks[0]["message"] and checks[0]["fix"]
+    # something answers there, but not Alertmanager's API
+    assert "not as Alertmanager does" in checks[1]["message"]
+    (cluster,) = [f for f in findings if f["check"] == "cluster"]
+    assert "node 'node-a'" in cluster["message"]

@@ -210,3 +210,18 @@ def test_oom_on_one_node_inhibits_timeouts_on_the_other(
         )
         (inc,) = [json.loads(line) for line in out.stdout.splitlines()]
         assert inc["status"] == "resolved" and inc["job"] == RUN_ID
+
+
+def test_doctor_finds_the_real_alertmanager(alertmanager: Alertmanager, tmp_path: Path) -> None:
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(
+        f'[sources]\npaths = ["{tmp_path}"]\n[alertmanager]\nurl = "{alertmanager.url}"\n'
+    )
+    out = subprocess.run(
+        [*NANWATCH, "doctor", "--json", "--config", str(cfg), "--db", str(tmp_path / "nw.db")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    (check,) = [f for f in map(json.loads, out.stdout.splitlines()) if f["check"] == "alertmanager"]
+    assert check["status"] == "ok" and "Alertmanager 0." in check["message"], check
