@@ -204,7 +204,9 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         "(SELECT count(*) FROM events e WHERE e.run_id = r.id), "
         "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id), "
         "(SELECT min(time) FROM events e WHERE e.run_id = r.id), "
-        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id) FROM runs r ORDER BY r.id"
+        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id), "
+        "(SELECT group_concat(DISTINCT nullif(s.node, '')) FROM sources s WHERE s.run_id = r.id) "
+        "FROM runs r ORDER BY r.id"
     ).fetchall()
     out = []
     for (
@@ -223,6 +225,7 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         ninc,
         _first_event,
         _last_metric,
+        nodes,
     ) in rows:
         out.append(
             {
@@ -234,6 +237,8 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
                 "job": job,
                 "cluster_run": cluster_run,
                 "node": node,
+                # every node whose files fed the run (merged databases); else the run's node
+                "nodes": sorted(str(nodes).split(",")) if nodes else ([node] if node else []),
                 "created_at": created,
                 "sources": nsrc,
                 "events": nev,

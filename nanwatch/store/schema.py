@@ -182,7 +182,8 @@ MIGRATIONS: list[str] = [
         path TEXT NOT NULL,
         first_merged_at TEXT NOT NULL,
         last_merged_at TEXT NOT NULL,
-        events INTEGER NOT NULL DEFAULT 0
+        events INTEGER NOT NULL DEFAULT 0,
+        metrics_upto INTEGER NOT NULL DEFAULT 0
     );
 
     CREATE TABLE merge_events (
