@@ -39,6 +39,9 @@ def test_tiers_hook_before_logs_and_config_first() -> None:
     assert derive(facts={"launch": {"rdzv_endpoint": "10.1.96.108:29500"}}).job == (
         "10.1.96.108:29500"
     )
+    # single-node launches all say localhost: they stay apart per node
+    local = {"launch": {"master_addr": "127.0.0.1", "master_port": "29500"}}
+    assert derive(facts=local, node="n1").job == "127.0.0.1:29500@n1"
 
 
 def test_run_is_the_mmengine_launch_else_the_job() -> None:

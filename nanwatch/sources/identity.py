@@ -13,7 +13,8 @@ failed first mute the others' timeouts. :func:`derive` is a pure function of wha
 ``job`` is the first known of, in this order (a tier is used whatever source tells it, the
 hook before the logs): the config; the SLURM job id; the MindCluster job; the Volcano job; the
 torchelastic run id (``none``, torchrun's default, does not count); ``MASTER_ADDR:MASTER_PORT``
-(or torchrun's rendezvous endpoint); the mmengine experiment and its timestamp; else the local
+(or torchrun's rendezvous endpoint; a loopback one is qualified by the node: such a launch
+never spans nodes); the mmengine experiment and its timestamp; else the local
 run name, which other nodes may not share. ``run`` (one launch of the job) is the config's, else
 the mmengine experiment and timestamp (mmengine broadcasts rank 0's timestamp, so every node
 names its log folder alike), else the job. Every node derives the same values for the same
@@ -44,6 +45,11 @@ class Identity:
 def this_node(configured: str | None = None) -> str:
     """``[cluster] node``, else this host's name."""
     return configured or socket.gethostname() or "localhost"
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    return host in ("localhost", "::1", "0.0.0.0") or host.startswith("127.")
 
 
 def _get(facts: Mapping[str, Any], section: str, key: str) -> str | None:
@@ -90,6 +96,9 @@ def derive(
         master = _first(facts, "master_addr")
         port = _first(facts, "master_port")
         endpoint = f"{master}:{port}" if master and port else _first(facts, "rdzv_endpoint")
+        if endpoint and _loopback(endpoint.rsplit(":", 1)[0]):
+            # a single-node launch: every such launch is "localhost:29500", on every node
+            endpoint = f"{endpoint}@{this_node(node)}"
         tiers: Iterable[tuple[str, str | None]] = (
             ("slurm", _first(facts, "slurm_job_id")),
             ("mindx", _first(facts, "mindx_job_name")),
