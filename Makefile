@@ -25,11 +25,19 @@ $(VENV)/.installed-test: pyproject.toml | venv
 	@touch $(VENV)/.installed $@
 
 # System packages some tests drive for real (logrotate, Alertmanager); skipped when unavailable.
+# Debian's prometheus-alertmanager enables its own service: the tests start their own instance
+# on loopback, so a service this target installed is stopped and disabled again.
 sysdeps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	    ! command -v logrotate >/dev/null 2>&1; then \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq logrotate \
-	     >/dev/null) || echo "sysdeps: apt-get failed; tests needing logrotate will skip"; \
+	@missing=""; \
+	command -v logrotate >/dev/null 2>&1 || [ -x /usr/sbin/logrotate ] || missing="$$missing logrotate"; \
+	command -v prometheus-alertmanager >/dev/null 2>&1 || missing="$$missing prometheus-alertmanager"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing \
+	     >/dev/null) || echo "sysdeps: apt-get failed; tests needing$$missing will skip"; \
+	  case "$$missing" in *alertmanager*) [ -d /run/systemd/system ] && \
+	    systemctl disable --now prometheus-alertmanager >/dev/null 2>&1 || true;; esac; \
+	elif [ -n "$$missing" ]; then \
+	  echo "sysdeps: not root or no apt-get; tests needing$$missing will skip"; \
 	fi
 
 demo: install

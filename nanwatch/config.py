@@ -203,6 +203,12 @@ def _urls(v: object, where: str, base: Path | None) -> object:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ConfigError(f"{where}: expected a URL or a list of URLs")
+    for x in v:
+        parsed = urlparse(x)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(
+                f"{where}: {x!r} is not an http(s) URL; expected e.g. http://alertmanager:9093"
+            )
     return tuple(v)
 
 

@@ -7,6 +7,7 @@ sender thread only reads and reports back.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from .notify.outbox import Outbox, Result, Sender, Sink
 from .shapes import ShapeResolver
 from .sources import Chunk, Root, SourceRecord, Tracker, make_roots
 from .sources.discover import rank_from_path
+from .sources.identity import rank_fill, refresh, this_node
 from .sources.runs import run_key
 from .sources.watcher import Watcher, choose_mode
 from .store import Store
@@ -108,6 +110,9 @@ class Pipeline:
         self.on_changes = on_changes
         self.stats = Stats()
         self._runs: dict[tuple[str, str], int] = {}
+        # runs whose cluster identity (job, run, node) must be derived again after this pass
+        self._dirty_runs: set[int] = set()
+        self._launch: dict[int, dict[str, str]] = {}  # what each run's logs printed (launch)
         self.wake = threading.Event()
         self._stop: threading.Event | None = None
         self.mode = "scan"
@@ -132,9 +137,9 @@ class Pipeline:
                     "<run>",
                     self.forced_run,
                     self.forced_run,
-                    node=self.config.cluster.node,
-                    job=self.config.cluster.job,
+                    node=this_node(self.config.cluster.node),
                 )
+                self._dirty_runs.add(self._runs[key])
             return self._runs[key]
         rk = run_key(root, path)
         k = (rk.root, rk.launch)
@@ -144,9 +149,9 @@ class Pipeline:
                 rk.launch,
                 rk.name,
                 experiment=rk.experiment,
-                node=self.config.cluster.node,
-                job=self.config.cluster.job,
+                node=this_node(self.config.cluster.node),
             )
+            self._dirty_runs.add(self._runs[k])
         return self._runs[k]
 
     def _known(self) -> list[SourceRecord]:
@@ -247,6 +252,10 @@ class Pipeline:
         for rec in vanished:
             self._retire(rec)
         self._persist_records()
+        if self._dirty_runs:
+            with self.store.transaction():
+                refresh(self.store, self.config.cluster, self._dirty_runs, run=self.forced_run)
+            self._dirty_runs.clear()
         changes = self.correlator.process(live=self.live)
         if changes:
             if self.outbox is not None:
@@ -264,6 +273,34 @@ class Pipeline:
             return self.monitor.feed(data, start, state, file, root.base)
 
         return feed
+
+    def _identify(self, run_id: int | None, events: list[Event], state: StreamState) -> list[Event]:
+        """Node, global and local rank on every event: this node unless the line named one;
+        ranks completed from each other with what the launcher printed (sources/identity.py)."""
+        if not events:
+            return events
+        launch = dict(self._run_launch(run_id))
+        launch.update(state.launch or {})
+        node = this_node(self.config.cluster.node)
+        out = []
+        for e in events:
+            rank, local = rank_fill(e.rank, e.local_rank, launch)
+            if e.node is None or rank != e.rank or local != e.local_rank:
+                e = dataclasses.replace(e, node=e.node or node, rank=rank, local_rank=local)
+            out.append(e)
+        return out
+
+    def _run_launch(self, run_id: int | None) -> dict[str, str]:
+        if run_id is None:
+            return {}
+        hit = self._launch.get(run_id)
+        if hit is None:
+            row = self.store.conn.execute(
+                "SELECT json_extract(facts, '$.launch') FROM runs WHERE id = ?", (run_id,)
+            ).fetchone()
+            hit = json.loads(row[0]) if row and row[0] else {}
+            self._launch[run_id] = hit
+        return hit
 
     def _snapshot(self, rec: SourceRecord) -> _Pending | None:
         """A file rewritten in place (msprobe's anomaly.json): read whole when it changed."""
@@ -325,6 +362,16 @@ class Pipeline:
             return
         ingested = now_utc()
         with self.store.transaction():
+            # what launchers printed first: a rank's events read in the same batch as the
+            # launcher's log get their local ranks from it
+            for p in batch:
+                rec = p.chunk.record
+                if rec.run_id is None:
+                    continue
+                self._dirty_runs.add(rec.run_id)
+                if p.state.launch and p.state.launch != rec.state.launch:
+                    self.store.update_run_facts(rec.run_id, {"launch": p.state.launch})
+                    self._launch.pop(rec.run_id, None)
             for p in batch:
                 rec = p.chunk.record
                 if p.chunk.final:
@@ -348,9 +395,10 @@ class Pipeline:
                         cutting=p.chunk.cutting,
                         ctx=p.state.to_json(),
                     )
-                n = self.store.insert_events(rec.run_id, rec.id, p.events, ingested)
                 if p.facts and rec.run_id is not None:
                     self._record_facts(rec.run_id, p.facts)
+                events = self._identify(rec.run_id, p.events, p.state)
+                n = self.store.insert_events(rec.run_id, rec.id, events, ingested)
                 self.stats.metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
                     self.stats.events.update(e.kind for e in p.events)
@@ -532,6 +580,9 @@ class Pipeline:
         roots = make_roots(list(paths), must_exist=not self.live)
         self.config = config
         self.forced_run = self._run_arg or config.cluster.run
+        self._dirty_runs.update(self.run_ids())  # [cluster] may name them differently now
+        if self.live:
+            self.correlator.resolve_after = config.alerts.resolve_after
         if rules is not None:
             self.rules = rules
             self.detector = Detector(rules)

@@ -79,8 +79,9 @@ def iter_events(
 _INCIDENT_SELECT = (
     "SELECT i.id, i.kind, i.title, i.status, r.name, r.experiment, i.ranks, i.first_time, "
     "i.last_time, i.event_count, i.origin, i.hints, i.severity, i.detail, i.created_at, "
-    "i.updated_at, i.resolved_at, i.version, r.node, r.job FROM incidents i "
-    "LEFT JOIN runs r ON r.id = i.run_id"
+    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run, "
+    "(SELECT group_concat(DISTINCT e.node) FROM events e WHERE e.incident_id = i.id) "
+    "FROM incidents i LEFT JOIN runs r ON r.id = i.run_id"
 )
 
 
@@ -106,6 +107,8 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         version,
         node,
         job,
+        cluster_run,
+        nodes,
     ) = row
     return {
         "id": iid,
@@ -128,6 +131,9 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         "version": version,
         "node": node,
         "job": job,
+        "cluster_run": cluster_run,
+        # where its events were read: one node, or several in a merged database
+        "nodes": sorted(str(nodes).split(",")) if nodes else [],
     }
 
 
@@ -170,8 +176,8 @@ def show_incident(
         return None
     inc["events"] = list(iter_events(conn, incident=incident_id, limit=max_events))
     timeline = conn.execute(
-        "SELECT rank, kind, count(*), min(time), max(time), min(step), max(step), min(id) "
-        "FROM events WHERE incident_id = ? GROUP BY rank, kind ORDER BY min(id)",
+        "SELECT rank, kind, count(*), min(time), max(time), min(step), max(step), min(id), node "
+        "FROM events WHERE incident_id = ? GROUP BY rank, kind, node ORDER BY min(id)",
         (incident_id,),
     ).fetchall()
     inc["timeline"] = [
@@ -183,20 +189,24 @@ def show_incident(
             "last_time": t1,
             "first_step": s0,
             "last_step": s1,
+            "node": node,
         }
-        for r, k, c, t0, t1, s0, s1, _ in timeline
+        for r, k, c, t0, t1, s0, s1, _, node in timeline
     ]
     return inc
 
 
 def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     rows = conn.execute(
-        "SELECT r.id, r.name, r.root, r.launch, r.experiment, r.job, r.node, r.created_at, "
+        "SELECT r.id, r.name, r.root, r.launch, r.experiment, r.job, r.cluster_run, r.node, "
+        "r.created_at, "
         "r.facts, (SELECT count(*) FROM sources s WHERE s.run_id = r.id), "
         "(SELECT count(*) FROM events e WHERE e.run_id = r.id), "
         "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id), "
         "(SELECT min(time) FROM events e WHERE e.run_id = r.id), "
-        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id) FROM runs r ORDER BY r.id"
+        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id), "
+        "(SELECT group_concat(DISTINCT nullif(s.node, '')) FROM sources s WHERE s.run_id = r.id) "
+        "FROM runs r ORDER BY r.id"
     ).fetchall()
     out = []
     for (
@@ -206,6 +216,7 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         launch,
         exp,
         job,
+        cluster_run,
         node,
         created,
         facts,
@@ -214,6 +225,7 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         ninc,
         _first_event,
         _last_metric,
+        nodes,
     ) in rows:
         out.append(
             {
@@ -223,7 +235,10 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
                 "launch": launch or None,
                 "experiment": exp,
                 "job": job,
+                "cluster_run": cluster_run,
                 "node": node,
+                # every node whose files fed the run (merged databases); else the run's node
+                "nodes": sorted(str(nodes).split(",")) if nodes else ([node] if node else []),
                 "created_at": created,
                 "sources": nsrc,
                 "events": nev,

@@ -95,10 +95,16 @@ def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int
         f"  {inc['title']}",
         f"  run: {inc.get('run') or '-'}"
         + (f"   experiment: {inc['experiment']}" if inc.get("experiment") else "")
-        + (f"   node: {inc['node']}" if inc.get("node") else ""),
+        + (f"   node: {inc['node']}" if inc.get("node") and len(inc.get("nodes") or []) < 2 else "")
+        + (f"   nodes: {', '.join(inc['nodes'])}" if len(inc.get("nodes") or []) > 1 else ""),
         f"  ranks: {ranks_text(inc.get('ranks', []))}   events: {inc.get('event_count', 0)}   "
         f"first: {inc.get('first_time') or '-'}   last: {inc.get('last_time') or '-'}",
     ]
+    if inc.get("job"):
+        run = inc.get("cluster_run")
+        lines.append(
+            f"  job: {inc['job']}" + (f"   run: {run}" if run and run != inc["job"] else "")
+        )
     detail = inc.get("detail") or {}
     if detail.get("root_cause"):
         lines.append(_c("  Root cause: ", _BOLD, color) + str(detail["root_cause"]))
@@ -122,6 +128,7 @@ def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int
     timeline = inc.get("timeline")
     if timeline:
         lines.append(_c("  Timeline:", _BOLD, color))
+        multi = len({t.get("node") for t in timeline}) > 1
         for t in timeline[:20]:
             rank = "-" if t["rank"] is None else t["rank"]
             span = t["first_time"] or "-"
@@ -130,7 +137,10 @@ def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int
                 steps = f" steps {t['first_step']}" + (
                     f"-{t['last_step']}" if t["last_step"] != t["first_step"] else ""
                 )
-            lines.append(f"    rank {rank:>4}  {t['kind']:<15} x{t['count']:<5} from {span}{steps}")
+            node = f"  {t['node']}" if multi and t.get("node") else ""
+            lines.append(
+                f"    rank {rank:>4}  {t['kind']:<15} x{t['count']:<5} from {span}{steps}{node}"
+            )
         if len(timeline) > 20:
             lines.append(f"    ... {len(timeline) - 20} more")
     events = inc.get("events")

@@ -10,6 +10,23 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# What a launcher or scheduler prints about the launch (context rules' groups of these names):
+# the same on every node of one launch, so they name the job across nodes (sources/identity.py).
+LAUNCH_KEYS = frozenset(
+    {
+        "slurm_job_id",
+        "torchelastic_run_id",
+        "master_addr",
+        "master_port",
+        "rdzv_endpoint",
+        "mindx_job_name",
+        "volcano_job_name",
+        "mmengine_exp",
+        "nproc_per_node",
+        "group_rank",
+    }
+)
+
 
 @dataclass
 class StreamState:
@@ -38,6 +55,8 @@ class StreamState:
     # structured readers (msprobe CSV / dumps): header, row position, family counts; replaced,
     # never mutated in place, because the pipeline copies states shallowly
     msprobe: dict[str, Any] | None = None
+    # launch identity the stream printed (LAUNCH_KEYS -> text); replaced, never mutated in place
+    launch: dict[str, str] | None = None
 
     def to_json(self) -> str:
         # only absent values are left out: rank 0, epoch 0 and step 0 are real values

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from nanwatch.cli import cli
 from nanwatch.cli._doctor_node import inotify_verdict
-from nanwatch.store import Store
+from nanwatch.store import SCHEMA_VERSION, Store
 
 from .conftest import nanwatch
 from .test_sources import nan_line
@@ -114,7 +114,9 @@ def test_database_health(node: Path) -> None:
     nanwatch("scan", "--db", str(db), str(node / "logs"))
     code, out = doctor("--config", str(config(node)))
     assert code == 0, out
-    assert "intact, schema 1" in out and "auto_vacuum" not in out and "WAL" not in out
+    assert (
+        f"intact, schema {SCHEMA_VERSION}" in out and "auto_vacuum" not in out and "WAL" not in out
+    )
     store = Store.open(db)
     store.execute("PRAGMA user_version = 99")
     store.close()

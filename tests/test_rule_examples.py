@@ -89,6 +89,8 @@ def test_example(rule: Any, example: Example) -> None:
     for key, want in example.state.items():
         if key == "hint_stage":
             assert state.hint_stage == want
+        elif want is False:  # "sets nothing": a value that must not be read from the line
+            assert not getattr(state, key), f"{rule.id}: state {key}={getattr(state, key)!r}"
         else:
             got = getattr(state, key)
             # prefixes set per-line attributes, not stream state: check the event or the metric

@@ -1,7 +1,8 @@
 """`nanwatch doctor`: is this node ready to run the service? Every problem comes with its fix.
 
-The checks live beside it: ``_doctor_node`` (sources, inotify, filesystems) and
-``_doctor_services`` (database, Slack, metrics address).
+The checks live beside it: ``_doctor_node`` (sources, inotify, filesystems),
+``_doctor_services`` (database, Slack, metrics address) and ``_doctor_cluster`` (this node's
+name, the Alertmanagers it reports to).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def _fix_of(message: str) -> str:
 
 
 def run_checks(config_path: Path | None, db: Path | None) -> Iterator[Finding]:
+    from ._doctor_cluster import check_alertmanager, check_cluster
     from ._doctor_node import check_filesystems, check_inotify, check_sources
     from ._doctor_services import check_database, check_metrics, check_slack
 
@@ -126,6 +128,8 @@ def run_checks(config_path: Path | None, db: Path | None) -> Iterator[Finding]:
             "keep the database out of [sources] paths (the unit's /var/lib/nanwatch)",
         )
     yield from check_slack(config)
+    yield check_cluster(config)
+    yield from check_alertmanager(config)
     yield check_metrics(config)
 
 
@@ -140,7 +144,8 @@ def doctor(config_path: Path | None, db: Path | None, as_json: bool) -> None:
     (exist, readable), inotify limits against the folders to watch (polling is used where
     they run out), filesystem types (network filesystems are polled), the database (integrity,
     WAL, size, schema version, writable), Slack (auth.test with the token, when [slack] is
-    configured) and the metrics address. Exit status 0 when nothing failed (warnings allowed),
+    configured), this node's name in alerts, every [alertmanager] URL (its API answers) and
+    the metrics address. Exit status 0 when nothing failed (warnings allowed),
     1 otherwise.
 
     \b

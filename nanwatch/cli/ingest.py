@@ -25,7 +25,8 @@ from ._common import (
 
 
 def _sinks(config: Any, *, console: bool) -> list[Any]:
-    """Every sink `watch` and `scan --notify` deliver to; a [slack] that cannot work fails here."""
+    """Every sink `watch` and `scan --notify` deliver to (console, Slack, Alertmanager); a
+    [slack] that cannot work fails here."""
     from ..notify.console import ConsoleSink
 
     sinks: list[Any] = []
@@ -37,6 +38,13 @@ def _sinks(config: Any, *, console: bool) -> list[Any]:
         settings = slack_settings(config)
         if settings is not None:
             sinks.append(SlackSink(settings, config.alerts))
+    if config.alertmanager.urls:
+        from ..notify.alertmanager import AlertmanagerSink
+        from ..sources.identity import this_node
+
+        sinks.append(
+            AlertmanagerSink(config.alertmanager.urls, node=this_node(config.cluster.node))
+        )
     return sinks
 
 

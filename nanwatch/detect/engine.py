@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import DEVICES, Event, Metric
-from ..stream import StreamState
+from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
 from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
 from .timestamps import TimeParser
@@ -448,6 +448,10 @@ class Detector:
             v = values.get(key)
             if v:
                 setattr(state, key, str(v))
+        if not LAUNCH_KEYS.isdisjoint(values):  # a launch fact (parsers/launch.toml)
+            launch = {k: str(v) for k, v in values.items() if k in LAUNCH_KEYS and v}
+            if launch:
+                state.launch = {**(state.launch or {}), **launch}
         # Epoch-based loops print the iteration within the epoch; the global step follows.
         if values.get("step") is None and state.stage in (None, "train"):
             if state.epoch is not None and state.iter is not None and state.iters:

@@ -322,7 +322,8 @@ class Store:
 
     def load_sources(self) -> list[dict[str, Any]]:
         rows = self.conn.execute(
-            "SELECT * FROM sources WHERE status IN ('active', 'truncated', 'rotated')"
+            # other nodes' files (a merged database) are history, never followed here
+            "SELECT * FROM sources WHERE status IN ('active', 'truncated', 'rotated') AND node = ''"
         ).fetchall()
         return [self._row(r, "sources") for r in rows]
 
@@ -344,7 +345,7 @@ class Store:
                 "INSERT INTO sources(run_id, path, root, dev, ino, gen, offset, head_hash, "
                 "head_len, tail_hash, cutting, lines_cut, status, ctx, created_at, updated_at) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT(dev, ino, gen) DO UPDATE SET path=excluded.path",
+                "ON CONFLICT(dev, ino, gen, node) DO UPDATE SET path=excluded.path",
                 (
                     rec.run_id,
                     rec.path,
@@ -365,7 +366,7 @@ class Store:
                 ),
             )
             row = self.conn.execute(
-                "SELECT id FROM sources WHERE dev=? AND ino=? AND gen=?",
+                "SELECT id FROM sources WHERE dev=? AND ino=? AND gen=? AND node=''",
                 (rec.dev, rec.ino, rec.gen),
             ).fetchone()
             rec.id = int(row[0]) if row else int(cur.lastrowid or 0)
@@ -410,7 +411,7 @@ class Store:
     def next_gen(self, dev: int, ino: int) -> int:
         """The next generation number for a file identity (inodes are reused)."""
         row = self.conn.execute(
-            "SELECT max(gen) FROM sources WHERE dev = ? AND ino = ?", (dev, ino)
+            "SELECT max(gen) FROM sources WHERE dev = ? AND ino = ? AND node = ''", (dev, ino)
         ).fetchone()
         return 0 if row is None or row[0] is None else int(row[0]) + 1
 

@@ -157,4 +157,49 @@ MIGRATIONS: list[str] = [
         value TEXT
     );
     """,
+    # 2: many nodes. Why each change:
+    # - runs.cluster_run: the launch's name every node agrees on (the `run` label; runs.job is
+    #   the `job` one); NULL with job when nothing cluster-wide is known.
+    # - sources.node: file identity (dev, inode) is only unique on one node, so a database that
+    #   holds several nodes' files (`nanwatch merge`) keys them by node too; '' is this
+    #   database's own node, whose files are the only ones ever followed.
+    # - meta uid: names this database when it is merged into another one.
+    # - merge_*: which node database, event and incident every merged row came from, so merging
+    #   the same database again adds nothing and node incidents' lifecycles carry over.
+    """
+    ALTER TABLE runs ADD COLUMN cluster_run TEXT;
+    CREATE INDEX runs_job ON runs(job, cluster_run);
+
+    ALTER TABLE sources ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    DROP INDEX sources_identity;
+    CREATE UNIQUE INDEX sources_identity ON sources(dev, ino, gen, node);
+
+    INSERT OR IGNORE INTO meta(key, value) VALUES ('uid', lower(hex(randomblob(16))));
+
+    CREATE TABLE merge_origins (
+        origin TEXT PRIMARY KEY,
+        node TEXT,
+        path TEXT NOT NULL,
+        first_merged_at TEXT NOT NULL,
+        last_merged_at TEXT NOT NULL,
+        events INTEGER NOT NULL DEFAULT 0,
+        metrics_upto INTEGER NOT NULL DEFAULT 0
+    );
+
+    CREATE TABLE merge_events (
+        event_id INTEGER PRIMARY KEY,
+        origin TEXT NOT NULL,
+        src_id INTEGER NOT NULL,
+        src_incident INTEGER
+    );
+    CREATE UNIQUE INDEX merge_events_src ON merge_events(origin, src_id);
+
+    CREATE TABLE merge_incidents (
+        origin TEXT NOT NULL,
+        src_id INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        resolved_at TEXT,
+        PRIMARY KEY (origin, src_id)
+    );
+    """,
 ]

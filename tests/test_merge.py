@@ -1,0 +1,169 @@
+"""`nanwatch merge`: node databases into one fleet database, correlated across nodes."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nanwatch.store import SCHEMA_VERSION, Store
+from nanwatch.store.schema import MIGRATIONS
+
+from .cluster_logs import RUN, RUN_ID, write_nodes
+from .conftest import nanwatch
+
+
+@pytest.fixture
+def node_dbs(tmp_path: Path) -> dict[str, Path]:
+    """Each node scanned its own logs, as its daemon would have."""
+    out = {}
+    for name, logs in write_nodes(tmp_path / "logs").items():
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(f'[cluster]\nnode = "{name}"\n')
+        out[name] = tmp_path / f"{name}.db"
+        nanwatch("scan", "--config", str(cfg), "--db", str(out[name]), str(logs))
+    return out
+
+
+def merge(fleet: Path, *dbs: Path) -> dict[str, Any]:
+    result = nanwatch("merge", "--json", str(fleet), *map(str, dbs))
+    return dict(json.loads(result.stdout))
+
+
+def counts(db: Path) -> tuple[int, ...]:
+    with sqlite3.connect(db) as conn:
+        return tuple(
+            conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            for t in ("runs", "sources", "events", "metrics", "incidents")
+        )
+
+
+def test_the_oom_on_node_a_absorbs_node_b_timeouts(
+    node_dbs: dict[str, Path], tmp_path: Path
+) -> None:
+    # on its own, node B only knows its ranks waited for rank 3
+    listed = nanwatch("incidents", "--json", "--db", str(node_dbs["node-b"])).stdout
+    (orphan,) = [json.loads(line) for line in listed.splitlines()]
+    assert orphan["kind"] == "comm_timeout" and orphan["detail"]["cause_rank"] == 3
+    fleet = tmp_path / "fleet.db"
+    out = merge(fleet, node_dbs["node-a"], node_dbs["node-b"])
+    assert [m["nodes"] for m in out["merged"]] == [["node-a"], ["node-b"]]
+    (inc,) = out["incidents"]
+    assert inc["kind"] == "oom" and inc["status"] == "open"
+    assert inc["origin"]["rank"] == 3 and inc["origin"]["stage"] == "val"
+    assert inc["ranks"] == list(range(16))
+    assert inc["nodes"] == ["node-a", "node-b"]
+    assert (inc["job"], inc["cluster_run"]) == (RUN_ID, RUN)
+    assert "15 other ranks then timed out" in inc["title"]
+    # `show` across the fleet: every rank's event with its node
+    story = json.loads(nanwatch("show", "1", "--json", "--db", str(fleet)).stdout)
+    nodes = {t["rank"]: t["node"] for t in story["timeline"]}
+    assert {r for r, n in nodes.items() if n == "node-b"} == set(range(8, 16))
+    assert all(e["node"] for e in story["events"])
+    listed = nanwatch("runs", "--json", "--db", str(fleet)).stdout
+    (run,) = [json.loads(line) for line in listed.splitlines()]
+    assert run["node"] is None and run["job"] == RUN_ID  # fed by two nodes
+    assert run["nodes"] == ["node-a", "node-b"]
+    assert run["facts"]["launch"]["torchelastic_run_id"] == RUN_ID
+
+
+def test_merging_again_adds_nothing(node_dbs: dict[str, Path], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.db"
+    merge(fleet, node_dbs["node-a"], node_dbs["node-b"])
+    before = counts(fleet)
+    again = merge(fleet, node_dbs["node-b"], node_dbs["node-a"], node_dbs["node-a"])
+    assert [m["events"] for m in again["merged"]] == [0, 0, 0]
+    assert [m["metrics"] for m in again["merged"]] == [0, 0, 0]
+    assert counts(fleet) == before
+    assert before[0] == 1 and before[2] == 16  # one run, every event once
+
+
+def test_a_root_merged_later_absorbs_the_orphan(node_dbs: dict[str, Path], tmp_path: Path) -> None:
+    """Node B first (an orphan timeout incident in the fleet), node A in a later merge: the
+    OOM takes the timeouts over and the orphan becomes `merged`, as on a single node."""
+    fleet = tmp_path / "fleet.db"
+    (first,) = merge(fleet, node_dbs["node-b"])["incidents"]
+    assert first["kind"] == "comm_timeout" and first["detail"]["cause_rank"] == 3
+    (root,) = merge(fleet, node_dbs["node-a"])["incidents"]
+    assert root["kind"] == "oom" and root["ranks"] == list(range(16))
+    with sqlite3.connect(fleet) as conn:
+        status, into = conn.execute(
+            "SELECT status, json_extract(detail, '$.merged_into') FROM incidents WHERE id = ?",
+            (first["id"],),
+        ).fetchone()
+    assert (status, into) == ("merged", root["id"])
+
+
+def test_node_lifecycles_carry_over(node_dbs: dict[str, Path], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.db"
+
+    def resolve(db: Path) -> None:
+        with sqlite3.connect(db) as conn:
+            conn.execute(
+                "UPDATE incidents SET status = 'resolved', resolved_at = '2026-11-30T12:00:00.000Z'"
+            )
+
+    merge(fleet, node_dbs["node-a"], node_dbs["node-b"])
+    resolve(node_dbs["node-a"])
+    (inc,) = merge(fleet, node_dbs["node-a"], node_dbs["node-b"])["incidents"]
+    assert inc["status"] == "open"  # node B's part is still open
+    resolve(node_dbs["node-b"])
+    out = merge(fleet, node_dbs["node-b"])
+    (inc,) = out["incidents"]
+    assert out["resolved"] == [inc["id"]]
+    assert inc["status"] == "resolved" and inc["resolved_at"] == "2026-11-30T12:00:00.000Z"
+
+
+def test_runs_without_a_cluster_identity_stay_per_node(tmp_path: Path) -> None:
+    """Plain logs that name no launch: two nodes' `train` runs are not one run."""
+    dbs = []
+    for node in ("n1", "n2"):
+        logs = tmp_path / node / "train.log"
+        logs.parent.mkdir()
+        logs.write_text("[rank0]: RuntimeError: NPU out of memory. Tried to allocate 2.00 GiB\n")
+        cfg = tmp_path / f"{node}.toml"
+        cfg.write_text(f'[cluster]\nnode = "{node}"\n')
+        dbs.append(tmp_path / f"{node}.db")
+        nanwatch("scan", "--config", str(cfg), "--db", str(dbs[-1]), str(logs))
+    fleet = tmp_path / "fleet.db"
+    out = merge(fleet, *dbs)
+    assert sorted(i["run"] for i in out["incidents"]) == ["train@n1", "train@n2"]
+    assert all(i["job"] is None for i in out["incidents"])
+
+
+def test_bad_inputs_are_refused_with_a_reason(node_dbs: dict[str, Path], tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.db"
+    merge(fleet, node_dbs["node-a"])
+    same = nanwatch("merge", str(fleet), str(fleet), check=False)
+    assert same.returncode == 1 and "output database itself" in same.stderr
+    missing = nanwatch("merge", str(fleet), str(tmp_path / "nope.db"), check=False)
+    assert missing.returncode != 0 and "nope.db" in missing.stderr
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all" * 100)
+    bad = nanwatch("merge", str(fleet), str(junk), check=False)
+    assert bad.returncode == 1 and "junk.db" in bad.stderr
+
+
+def test_a_schema_1_database_is_migrated_and_keeps_its_offsets(tmp_path: Path) -> None:
+    """A node database written before many-node support: its files are not read again."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text("[rank0]: RuntimeError: NPU out of memory.\n")
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(MIGRATIONS[0] + ";PRAGMA user_version=1;")
+    conn.close()
+    nanwatch("scan", "--db", str(db), str(logs))  # migrates on open, then reads
+    nanwatch("scan", "--db", str(db), str(logs))
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+        assert conn.execute("SELECT node FROM sources").fetchone()[0] == ""
+    store = Store.open(db, readonly=True)
+    try:
+        assert store.meta_get("uid")
+    finally:
+        store.close()
