@@ -326,3 +326,18 @@ def test_a_damaged_database_gives_a_clear_error_and_recovery(tmp_path: Path) -> 
     )
     assert r.returncode == 1 and "damaged" in r.stderr
     assert threading.active_count() >= 1
+
+
+def test_watchdog_stop_race_is_not_shown_as_an_error(caplog):
+    """watchdog's benign 'queue_events() called when the thread is inactive' at unschedule/stop
+    is dropped; its other errors still reach the log."""
+    import logging
+
+    import nanwatch.sources.watcher  # noqa: F401  (installs the filter)
+
+    wlog = logging.getLogger("watchdog.observers.inotify")
+    with caplog.at_level(logging.ERROR, logger="watchdog.observers.inotify"):
+        wlog.error("InotifyEmitter.queue_events() called when the thread is inactive")
+        wlog.error("something else went wrong")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["something else went wrong"]

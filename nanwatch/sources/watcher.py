@@ -17,6 +17,17 @@ from .discover import Root
 
 log = logging.getLogger("nanwatch.sources")
 
+
+class _StopRace(logging.Filter):
+    """watchdog logs an ERROR when an inotify event arrives while a watch is being removed
+    (a folder unscheduled, the observer stopping); nothing is lost by it, so it is not shown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+logging.getLogger("watchdog.observers.inotify").addFilter(_StopRace())
+
 NETWORK_FS = {
     "nfs",
     "nfs4",
