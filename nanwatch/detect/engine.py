@@ -285,7 +285,7 @@ class Detector:
         return {
             "matches": matches,
             "events": [dataclasses.asdict(e) for e in events],
-            "metrics": [dataclasses.asdict(m) for m in metrics],
+            "metrics": [m._asdict() for m in metrics],
             "state": {
                 k: getattr(state, k)
                 for k in ("stage", "epoch", "iter", "step", "rank")

@@ -438,26 +438,9 @@ class Store:
     def insert_metrics(
         self, run_id: int | None, source_id: int | None, metrics: Iterable[Metric]
     ) -> int:
-        rows = [
-            (
-                run_id,
-                source_id,
-                m.offset,
-                m.rank,
-                m.step,
-                m.epoch,
-                m.iter,
-                m.stage,
-                m.time,
-                m.loss,
-                m.grad_norm,
-                m.step_time,
-                m.data_time,
-                m.lr,
-                m.memory,
-            )
-            for m in metrics
-        ]
+        # a Metric is a tuple in the column order below
+        head = (run_id, source_id)
+        rows = [head + m for m in metrics]
         if not rows:
             return 0
         before = self.conn.total_changes
