@@ -32,12 +32,19 @@ _SCAN = 80  # bytes of a line that may hold its timestamp
 
 
 class TimeParser:
-    """Parses line timestamps; caches the local-time conversion per minute."""
+    """Parses line timestamps; caches the local-time conversion and the UTC text per minute.
 
-    __slots__ = ("_cache", "default_year")
+    Every iteration line carries a timestamp: this runs hundreds of thousands of times in a
+    catch-up scan, so the common layouts avoid ``groupdict`` and ``datetime`` formatting.
+    """
+
+    __slots__ = ("_bases", "_cache", "_minutes", "default_year")
 
     def __init__(self, default_year: int | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
+        self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
+        # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
+        self._bases: dict[tuple[str, str, str, str, str], float | bool] = {}
         self.default_year = default_year or _dt.date.today().year
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
@@ -54,17 +61,49 @@ class TimeParser:
         return base
 
     def parse(self, line: str) -> str | None:
-        head = line[:_SCAN]
-        m = _FULL.search(head)
-        year: int | None
+        m = _FULL.search(line, 0, _SCAN)
         if m:
-            year = int(m.group("y"))
-        else:
-            m = _GLOG.match(head) or _SHORT.match(head)
-            if not m:
-                return None
-            year = self.default_year
-        return self._from_match(m, year)
+            y, mo, d, h, mi, s, frac, tz = m.groups()
+            if tz is None:
+                # the common case, inline: a naive local time; its minute is looked up once
+                key = (y, mo, d, h, mi)
+                base = self._bases.get(key)
+                if base is None:
+                    if len(self._bases) > 4096:
+                        self._bases.clear()
+                    base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+                sec = int(s)
+                if base is False or sec >= 62:
+                    return None
+                return self._utc(base + sec + (float("0." + frac) if frac else 0.0))
+            return self.parse_fields(int(y), int(mo), int(d), int(h), int(mi), int(s), frac, tz)
+        head = line[:_SCAN]
+        m = _GLOG.match(head) or _SHORT.match(head)
+        if not m:
+            return None
+        return self._from_match(m, self.default_year)
+
+    def _minute(self, y: int, mo: int, d: int, h: int, mi: int) -> float | bool:
+        """Epoch seconds of a local minute; False when it is not a valid one."""
+        if not (1 <= mo <= 12 and 1 <= d <= 31 and h < 24 and mi < 60):
+            return False
+        base = self._epoch(y, mo, d, h, mi)
+        return False if base is None else base
+
+    def _utc(self, ts: float) -> str:
+        """:func:`format_utc`, with the date and time up to the minute formatted once."""
+        ms = round(ts * 1000)
+        sec, milli = divmod(ms, 1000)
+        minute = sec - sec % 60
+        prefix = self._minutes.get(minute)
+        if prefix is None:
+            if len(self._minutes) > 4096:
+                self._minutes.clear()
+            prefix = _dt.datetime.fromtimestamp(minute, _dt.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:"
+            )
+            self._minutes[minute] = prefix
+        return f"{prefix}{sec - minute:02d}.{milli:03d}Z"
 
     def parse_fields(
         self,
@@ -92,7 +131,7 @@ class TimeParser:
         base = self._epoch(year, mo, d, h, mi)
         if base is None:
             return None
-        return format_utc(base + s + fr)
+        return self._utc(base + s + fr)
 
     def _from_match(self, m: re.Match[str], year: int | None) -> str | None:
         g = m.groupdict()
