@@ -97,7 +97,10 @@ class _Compiled:
             try:
                 import ahocorasick_rs
 
-                self.ac = ahocorasick_rs.BytesAhoCorasick(lits)
+                # a DFA: ~1.5x the default NFA's speed on log text, for ~1 MB of tables
+                self.ac = ahocorasick_rs.BytesAhoCorasick(
+                    lits, implementation=ahocorasick_rs.Implementation.DFA
+                )
             except ImportError:  # pragma: no cover - a platform without the wheel
                 self.ac = None
         if self.ac is None and lits:
