@@ -126,9 +126,10 @@ class Correlator:
         }
         for run_id in list(runs):
             runs.update(slowdown.later_runs(self.store.conn, run_id))
+        cache: dict[int, list[slowdown.Point]] = {}
         with self.store.transaction():
             for run_id in sorted(runs):
-                finding = slowdown.find(self.store.conn, run_id)
+                finding = slowdown.find(self.store.conn, run_id, cache)
                 if finding is None:
                     continue
                 exists = self.store.conn.execute(
