@@ -36,7 +36,7 @@ from .stream import StreamState
 
 log = logging.getLogger("nanwatch")
 
-BATCH_BYTES = 32 << 20  # commit at least this often during a catch-up
+BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
@@ -61,6 +61,29 @@ class _Pending:
     events: list[Event]
     metrics: list[Metric]
     state: StreamState
+    size: int = 0  # bytes read (the chunk may no longer hold them)
+    lines: int = 0
+
+
+class _Batch:
+    """Pending chunks of one pass, committed together once they are big enough."""
+
+    def __init__(self, commit: Callable[[list[_Pending]], None]) -> None:
+        self.commit = commit
+        self.items: list[_Pending] = []
+        self.size = 0
+        self.events = 0
+
+    def add(self, p: _Pending) -> None:
+        self.items.append(p)
+        self.size += p.size
+        self.events += len(p.events)
+        if self.size >= BATCH_BYTES or self.events >= BATCH_EVENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        items, self.items, self.size, self.events = self.items, [], 0, 0
+        self.commit(items)
 
 
 class Pipeline:
@@ -185,47 +208,25 @@ class Pipeline:
             self.tracker.discover()
         settled = self.tracker.settle_pending()
         wanted = set(only) | {r.path for r in settled} if only is not None else None
-        batch: list[_Pending] = []
-        size = 0
-        nevents = 0
+        batch = _Batch(self._commit)
         # monitor CSVs in step order (one file per step range): the first NaN steps come first
-        for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order):
-            if wanted is not None and rec.path not in wanted:
-                continue
+        records = [
+            rec
+            for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order)
+            if wanted is None or rec.path in wanted
+        ]
+        for rec in records:
             # monitor output has its own readers; everything else goes through the rule packs
             route = self.monitor.route(rec.path)
             if route == "anomaly":
                 pending = self._snapshot(rec)
                 if pending is not None:
-                    batch.append(pending)
-                    nevents += len(pending.events)
-                continue
-            feed = self.detector.feed if route is None else self._monitor_feed(rec.root)
-            states: dict[int, StreamState] = {}
-            for chunk in self.tracker.read(rec, final=final):
-                if chunk.final and route is not None:
-                    continue  # an unterminated CSV row may be half-written: never parsed
-                r = chunk.record
-                if r.run_id is None:
-                    r.run_id = self._assign_run(r.root, r.path)
-                st = states.get(id(r))
-                if st is None:
-                    st = copy.copy(r.state)
-                work = copy.copy(st) if chunk.final else st
-                events, metrics = feed(chunk.data, chunk.start, work, r.path)
-                if route is None and events:
-                    events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
-                if not chunk.final:
-                    states[id(r)] = st
-                batch.append(_Pending(chunk, events, metrics, work))
-                size += len(chunk.data)
-                nevents += len(events)
-                if size >= BATCH_BYTES or nevents >= BATCH_EVENTS:
-                    self._commit(batch)
-                    batch, size, nevents = [], 0, 0
+                    batch.add(pending)
+            else:
+                self._read(rec, route, final, batch)
         # commit first: a decision about a renamed or copied file below must see every offset
         # this pass moved (a rotated copy resumes where its twin's committed bytes end)
-        self._commit(batch)
+        batch.flush()
         vanished = self.tracker.drain_vanished()
         if vanished or self.tracker.suspects:
             # a path that no longer shows its file: renamed (a rotation, maybe during this very
@@ -245,6 +246,31 @@ class Pipeline:
             if self.on_changes is not None:
                 self.on_changes(changes)
         return changes
+
+    def _read(self, rec: SourceRecord, route: str | None, final: bool, batch: _Batch) -> None:
+        """Read a record's new chunks and detect in this process."""
+        feed = self.detector.feed if route is None else self._monitor_feed(rec.root)
+        states: dict[int, StreamState] = {}
+        for chunk in self.tracker.read(rec, final=final):
+            if chunk.final and route is not None:
+                continue  # an unterminated CSV row may be half-written: never parsed
+            r = chunk.record
+            if r.run_id is None:
+                r.run_id = self._assign_run(r.root, r.path)
+            st = states.get(id(r))
+            if st is None:
+                st = copy.copy(r.state)
+            work = copy.copy(st) if chunk.final else st
+            events, metrics = feed(chunk.data, chunk.start, work, r.path)
+            if route is None and events:
+                events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
+            if not chunk.final:
+                states[id(r)] = st
+            size, lines = len(chunk.data), chunk.data.count(b"\n")
+            # the batch keeps what the commit needs, not the bytes (memory stays flat)
+            light = copy.copy(chunk)
+            light.data = b""
+            batch.add(_Pending(light, events, metrics, work, size, lines))
 
     def _monitor_feed(
         self, root: Root
@@ -343,8 +369,8 @@ class Pipeline:
                 self.stats.metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
                     self.stats.events.update(e.kind for e in p.events)
-                self.stats.bytes += len(p.chunk.data)
-                self.stats.lines += p.chunk.data.count(b"\n")
+                self.stats.bytes += p.size
+                self.stats.lines += p.lines
                 if rec.run_id is not None:
                     self.stats.runs.add(rec.run_id)
         for p in batch:
