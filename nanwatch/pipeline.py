@@ -40,6 +40,12 @@ BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
+# watch: a pass that committed nothing correlates at most this often (quiet incidents still
+# resolve on time), and step times are looked at for slowdowns at most every SLOWDOWN_GAP s
+# and with at most SLOWDOWN_SHARE of the time (a long run's history is reread each time)
+QUIET_CORRELATE = 60.0
+SLOWDOWN_GAP = 5.0
+SLOWDOWN_SHARE = 0.02
 
 
 @dataclass
@@ -135,6 +141,8 @@ class Pipeline:
         # called on the writer thread after every commit: a long catch-up still shows progress
         self.on_progress: Callable[[], None] | None = None
         self._reconfigured = False
+        self._correlated = float("-inf")  # when the correlator last ran (monotonic)
+        self._next_slowdowns = 0.0
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe)."""
@@ -208,6 +216,7 @@ class Pipeline:
             self.tracker.discover()
         settled = self.tracker.settle_pending()
         wanted = set(only) | {r.path for r in settled} if only is not None else None
+        commits = self.stats.commits
         batch = _Batch(self._commit)
         # monitor CSVs in step order (one file per step range): the first NaN steps come first
         records = [
@@ -227,7 +236,10 @@ class Pipeline:
         # commit first: a decision about a renamed or copied file below must see every offset
         # this pass moved (a rotated copy resumes where its twin's committed bytes end)
         batch.flush()
-        vanished = self.tracker.drain_vanished()
+        # a wake-up with nothing to read (a watchdog tick) has no file to look for: renames and
+        # deletions come as structural events, which make the pass a full one
+        idle = wanted is not None and not wanted
+        vanished = [] if idle else self.tracker.drain_vanished()
         if vanished or self.tracker.suspects:
             # a path that no longer shows its file: renamed (a rotation, maybe during this very
             # pass) or gone? Only a walk of the roots can tell; a renamed file is followed under
@@ -239,12 +251,27 @@ class Pipeline:
         for rec in vanished:
             self._retire(rec)
         self._persist_records()
-        changes = self.correlator.process(live=self.live)
+        changes = self._correlate(self.stats.commits != commits)
         if changes:
             if self.outbox is not None:
                 self.outbox.enqueue(changes, immediate=not self.live)
             if self.on_changes is not None:
                 self.on_changes(changes)
+        return changes
+
+    def _correlate(self, committed: bool) -> list[Change]:
+        if not self.live:
+            return self.correlator.process(live=False)
+        now = time.monotonic()
+        if not committed and now - self._correlated < QUIET_CORRELATE:
+            return []  # nothing new: a watchdog tick or a wake-up that found nothing
+        slowdowns = now >= self._next_slowdowns
+        t0 = time.perf_counter()
+        changes = self.correlator.process(live=True, slowdowns=slowdowns)
+        if slowdowns:
+            spent = time.perf_counter() - t0
+            self._next_slowdowns = now + max(SLOWDOWN_GAP, spent / SLOWDOWN_SHARE)
+        self._correlated = now
         return changes
 
     def _read(self, rec: SourceRecord, route: str | None, final: bool, batch: _Batch) -> None:
@@ -315,14 +342,26 @@ class Pipeline:
         """Every decision about a file (a new one, a rotated copy resuming at byte N, a new
         generation after truncation, a retirement) is stored even when no bytes came with it,
         so a restart makes the same decision."""
+        active = [
+            rec
+            for rec in self.tracker.records.values()
+            if rec.status == "active" and (rec.id is None or rec.renamed)
+        ]
+        retired = [
+            rec
+            for rec in self.tracker.retired
+            if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status
+        ]
+        if not active and not retired:
+            return  # nothing to write: no transaction either (the idle daemon's usual pass)
         with self.store.transaction():
-            for rec in self.tracker.records.values():
-                if rec.id is not None and rec.renamed and rec.status == "active":
+            for rec in active:
+                if rec.id is not None and rec.renamed:
                     self.store.execute(
                         "UPDATE sources SET path = ? WHERE id = ?", (rec.path, rec.id)
                     )
                     rec.renamed = False
-                if rec.id is None and rec.status == "active":
+                if rec.id is None:
                     self.store.save_source(
                         rec,
                         offset=rec.offset,
@@ -332,10 +371,10 @@ class Pipeline:
                         cutting=rec.cutting,
                         ctx=rec.state.to_json(),
                     )
-            for rec in self.tracker.retired:
-                if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status:
-                    self.store.set_source_status(rec.id, rec.status)
-                    rec._saved_status = rec.status  # type: ignore[attr-defined]
+            for rec in retired:
+                assert rec.id is not None
+                self.store.set_source_status(rec.id, rec.status)
+                rec._saved_status = rec.status  # type: ignore[attr-defined]
 
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:

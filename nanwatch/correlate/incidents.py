@@ -90,9 +90,16 @@ class Correlator:
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
 
-    def process(self, *, live: bool = False, now: float | None = None) -> list[Change]:
-        """Correlate new events; under ``watch`` (``live``) also resolve quiet incidents."""
-        self._slowdowns()
+    def process(
+        self, *, live: bool = False, now: float | None = None, slowdowns: bool = True
+    ) -> list[Change]:
+        """Correlate new events; under ``watch`` (``live``) also resolve quiet incidents.
+
+        ``slowdowns=False`` leaves the step times committed since the last look for a later
+        pass (a slowdown is a trend: rereading a long run's step times on every pass of a busy
+        daemon would cost more than everything else it does)."""
+        if slowdowns:
+            self._slowdowns()
         last = int(self.store.meta_get(self.META_KEY, "0") or 0)
         changes: list[Change] = []
         while True:
