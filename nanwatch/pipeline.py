@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from .correlate.knowledge import Knowledge
 from .detect import Detector, RuleSet, load_rules
 from .detect.msprobe import MonitorReader
 from .detect.msprobe.reader import Rewritten
+from .detect.pool import DetectorPool, Done, usable_workers
 from .errors import StoreError
 from .events import Event, Metric, now_utc
 from .notify.outbox import Outbox, Result, Sender, Sink
@@ -38,6 +39,7 @@ log = logging.getLogger("nanwatch")
 
 BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
+POOL_MIN_BYTES = 32 << 20  # a scan reads more text than this: detect in worker processes
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
 # watch: a pass that committed nothing correlates at most this often (quiet incidents still
@@ -65,7 +67,7 @@ class Stats:
 class _Pending:
     chunk: Chunk
     events: list[Event]
-    metrics: list[Metric]
+    metrics: list[Metric] | list[tuple[Any, ...]]  # rows from a detection worker are tuples
     state: StreamState
     size: int = 0  # bytes read (the chunk may no longer hold them)
     lines: int = 0
@@ -90,6 +92,29 @@ class _Batch:
     def flush(self) -> None:
         items, self.items, self.size, self.events = self.items, [], 0, 0
         self.commit(items)
+
+
+class _Pooled:
+    """A pool's ordered results, looked at one ahead, with the stream index of each record."""
+
+    def __init__(
+        self, pool: DetectorPool, results: Iterator[tuple[int, Done]], texts: list[SourceRecord]
+    ) -> None:
+        self.pool = pool
+        self.results = results
+        self.index = {id(r): i for i, r in enumerate(texts)}
+        self._head: tuple[int, Done] | None = None
+
+    def peek(self) -> tuple[int, Done] | None:
+        if self._head is None:
+            self._head = next(self.results, None)
+        return self._head
+
+    def next(self) -> None:
+        self._head = None
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class Pipeline:
@@ -224,15 +249,22 @@ class Pipeline:
             for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order)
             if wanted is None or rec.path in wanted
         ]
-        for rec in records:
-            # monitor output has its own readers; everything else goes through the rule packs
-            route = self.monitor.route(rec.path)
-            if route == "anomaly":
-                pending = self._snapshot(rec)
-                if pending is not None:
-                    batch.add(pending)
-            else:
-                self._read(rec, route, final, batch)
+        pooled = self._pooled(records, final)
+        try:
+            for rec in records:
+                # monitor output has its own readers; everything else goes through the rule packs
+                route = self.monitor.route(rec.path)
+                if route == "anomaly":
+                    pending = self._snapshot(rec)
+                    if pending is not None:
+                        batch.add(pending)
+                elif route is None and pooled is not None:
+                    self._take_pooled(rec, pooled, batch)
+                else:
+                    self._read(rec, route, final, batch)
+        finally:
+            if pooled is not None:
+                pooled.close()
         # commit first: a decision about a renamed or copied file below must see every offset
         # this pass moved (a rotated copy resumes where its twin's committed bytes end)
         batch.flush()
@@ -298,6 +330,41 @@ class Pipeline:
             light = copy.copy(chunk)
             light.data = b""
             batch.add(_Pending(light, events, metrics, work, size, lines))
+
+    def _pooled(self, records: list[SourceRecord], final: bool) -> _Pooled | None:
+        """Worker processes for the rule packs, when a scan has enough text to read."""
+        if self.live or not final:
+            return None
+        texts = [r for r in records if self.monitor.route(r.path) is None]
+        todo = [r for r in texts if r.status == "active" and r.size - r.offset > 0]
+        if len(todo) < 2 or sum(r.size - r.offset for r in todo) < POOL_MIN_BYTES:
+            return None
+        workers = min(usable_workers(), len(todo))
+        if workers < 2:
+            return None
+        pool = DetectorPool(self.detector, workers)
+        return _Pooled(pool, pool.ordered(self.tracker.read(r, final=final) for r in texts), texts)
+
+    def _take_pooled(self, rec: SourceRecord, pooled: _Pooled, batch: _Batch) -> None:
+        """The results of one text record, detected in a worker, in their serial order."""
+        index = pooled.index[id(rec)]
+        msprobe: dict[int, dict[str, Any] | None] = {}
+        while True:
+            got = pooled.peek()
+            if got is None or got[0] != index:
+                return
+            pooled.next()
+            chunk, size, lines, events, metrics, state = got[1]
+            r = chunk.record
+            if r.run_id is None:
+                r.run_id = self._assign_run(r.root, r.path)
+            # msprobe alert-line counts live in the state but are kept here, not in the worker
+            state.msprobe = msprobe.get(id(r), r.state.msprobe)
+            if events:
+                events = self.monitor.bound(events, state, r.path)
+            if not chunk.final:
+                msprobe[id(r)] = state.msprobe
+            batch.add(_Pending(chunk, events, metrics, state, size, lines))
 
     def _monitor_feed(
         self, root: Root

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from ..events import Event, Metric, now_utc
+from ..events import Event, now_utc
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -436,8 +436,9 @@ class Store:
         return self.conn.total_changes - before
 
     def insert_metrics(
-        self, run_id: int | None, source_id: int | None, metrics: Iterable[Metric]
+        self, run_id: int | None, source_id: int | None, metrics: Iterable[tuple[Any, ...]]
     ) -> int:
+        """Metrics (or plain tuples in Metric's field order: what detection workers send)."""
         # a Metric is a tuple in the column order below
         head = (run_id, source_id)
         rows = [head + m for m in metrics]
