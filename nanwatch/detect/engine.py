@@ -220,14 +220,21 @@ class _ChunkPlan:
         names = set(rule.chunk_cre.groupindex)
         self.rule = rule
         self.cre = rule.chunk_cre
-        # (state key, the rule's constant for it or None: the group's text then)
-        self.keys = tuple((k, rule.set.get(k)) for k in _STATE_KEYS if k in names or k in rule.set)
-        self.ts = "ts" in names
-        # (group, value in ms?) per Metric field after ``time``, None for a field not extracted
-        self.metrics: tuple[tuple[str, bool] | None, ...] | None = None
+        index = {name: i - 1 for name, i in rule.chunk_cre.groupindex.items()}  # in groups()
+        # (state key, the rule's constant for it or None, the group's place in groups())
+        self.keys = tuple(
+            (k, rule.set.get(k), index.get(k, -1))
+            for k in _STATE_KEYS
+            if k in names or k in rule.set
+        )
+        self.ts = index.get("ts", -1)
+        # (group's place, value in ms?) per Metric field after ``time``, None: not extracted
+        self.metrics: tuple[tuple[int, bool] | None, ...] | None = None
         if rule.metrics:
             self.metrics = tuple(
-                (rule.metrics[n], rule.metrics[n].endswith("_ms")) if n in rule.metrics else None
+                (index[rule.metrics[n]], rule.metrics[n].endswith("_ms"))
+                if n in rule.metrics
+                else None
                 for n in Metric._fields[7:]
             )
         self.stages: dict[bytes, str | None] = {}  # a stage group's bytes -> normalised stage
@@ -249,14 +256,14 @@ def _number(raw: bytes | None) -> float | None:
 
 
 def _metric_values(
-    g: Mapping[str, bytes | None], specs: tuple[tuple[str, bool] | None, ...]
+    g: tuple[bytes | None, ...], specs: tuple[tuple[int, bool] | None, ...]
 ) -> list[float | None]:
     out: list[float | None] = []
     for spec in specs:
         if spec is None:
             out.append(None)
             continue
-        raw = g.get(spec[0])
+        raw = g[spec[0]]
         if raw is None:
             out.append(None)
             continue
@@ -520,10 +527,10 @@ class Detector:
         chunk: bytes,
     ) -> None:
         rule = plan.rule
-        g = m.groupdict()
+        g = m.groups()
         if rule.hint:
             values: dict[str, Any] = {
-                k: v.decode("utf-8", "replace") for k, v in g.items() if v is not None
+                k: v.decode("utf-8", "replace") for k, v in m.groupdict().items() if v is not None
             }
             values.update(rule.set)
             self._set_state(state, values, line_no, True)
@@ -531,13 +538,13 @@ class Detector:
             self._chunk_state(plan, g, state)
         if rule.progress:
             self._progress(state, line_no)
-        raw_ts = g.get("ts") if plan.ts else None
+        raw_ts = g[plan.ts] if plan.ts >= 0 else None
         if raw_ts is not None:
             ts = raw_ts.decode("utf-8", "replace")
+            when = self.times.parse(ts) if ts else None
         else:
             # the line's own timestamp, from its head (chunk patterns start at their literal)
-            ts = chunk[line_start : min(m.start(), line_start + 80)].decode("utf-8", "replace")
-        when = self.times.parse(ts) if ts else None
+            when = self.times.parse_bytes(chunk[line_start : min(m.start(), line_start + 80)])
         if when:
             state.last_time = when
         if plan.metrics is not None:
@@ -557,13 +564,13 @@ class Detector:
             )
 
     @staticmethod
-    def _chunk_state(plan: _ChunkPlan, g: Mapping[str, bytes | None], state: StreamState) -> None:
+    def _chunk_state(plan: _ChunkPlan, g: tuple[bytes | None, ...], state: StreamState) -> None:
         """``_set_state`` (not a hint) for a chunk rule's match, limited to the keys it has."""
         step_given = False
-        for key, const in plan.keys:
+        for key, const, at in plan.keys:
             v: Any = const
             if const is None:
-                b = g.get(key)
+                b = g[at]
                 if b is None:
                     continue
                 if key == "stage":

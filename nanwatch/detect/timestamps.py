@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 import time as _time
+from typing import Any
 
 from ..events import format_utc
 
@@ -20,6 +21,7 @@ _FULL = re.compile(
     r"(?:[.,](?P<frac>\d{1,9}))?(?:\.\d+)*(?P<tz>Z|[+-][01]\d:?[0-5]\d)?"
 )
 # glog, and c10's logger inside brackets with an unpadded month: "[E321 02:07:08.408271257 ..."
+_FULL_BYTES = re.compile(_FULL.pattern.encode())  # the same, for a line's head as read
 _GLOG = re.compile(
     r"^\[?[IWEF](?P<mo>1[0-2]|0?[1-9])(?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
     r"(?:\.(?P<frac>\d{1,9}))?"
@@ -44,7 +46,7 @@ class TimeParser:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
         self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
         # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
-        self._bases: dict[tuple[str, str, str, str, str], float | bool] = {}
+        self._bases: dict[tuple[Any, ...], float | bool] = {}
         self.default_year = default_year or _dt.date.today().year
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
@@ -82,6 +84,29 @@ class TimeParser:
         if not m:
             return None
         return self._from_match(m, self.default_year)
+
+    def parse_bytes(self, head: bytes) -> str | None:
+        """:meth:`parse` of a line's head as read (no decoding for the common ASCII case)."""
+        if not head:
+            return None
+        if not head.isascii():
+            return self.parse(head.decode("utf-8", "replace"))
+        m = _FULL_BYTES.search(head, 0, _SCAN)
+        if m is None:
+            return self.parse(head.decode("ascii"))
+        y, mo, d, h, mi, s, frac, tz = m.groups()
+        if tz is not None:
+            return self.parse(head.decode("ascii"))
+        key = (y, mo, d, h, mi)
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) > 4096:
+                self._bases.clear()
+            base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+        sec = int(s)
+        if base is False or sec >= 62:
+            return None
+        return self._utc(base + sec + (float(b"0." + frac) if frac else 0.0))
 
     def _minute(self, y: int, mo: int, d: int, h: int, mi: int) -> float | bool:
         """Epoch seconds of a local minute; False when it is not a valid one."""
