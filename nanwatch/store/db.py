@@ -29,6 +29,9 @@ EVENT_COLUMNS = (
 )
 
 
+_EVENT_KEYS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
+
+
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
     msg = str(e)
     if "not a database" in msg or "malformed" in msg:
@@ -615,8 +618,7 @@ class Store:
 
     @staticmethod
     def _event(row: Sequence[Any]) -> dict[str, Any]:
-        cols = [c.strip() for c in EVENT_COLUMNS.split(",")]
-        d = dict(zip(cols, row))
+        d = dict(zip(_EVENT_KEYS, row))
         d["fields"] = json.loads(d["fields"] or "{}")
         return d
 
