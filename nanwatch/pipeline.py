@@ -94,6 +94,13 @@ class _Batch:
         self.commit(items)
 
 
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 class _Pooled:
     """A pool's ordered results, looked at one ahead, with the stream index of each record."""
 
@@ -336,8 +343,8 @@ class Pipeline:
         if self.live or not final:
             return None
         texts = [r for r in records if self.monitor.route(r.path) is None]
-        todo = [r for r in texts if r.status == "active" and r.size - r.offset > 0]
-        if len(todo) < 2 or sum(r.size - r.offset for r in todo) < POOL_MIN_BYTES:
+        todo = [n for r in texts if r.status == "active" and (n := _size(r.path) - r.offset) > 0]
+        if len(todo) < 2 or sum(todo) < POOL_MIN_BYTES:
             return None
         workers = min(usable_workers(), len(todo))
         if workers < 2:
