@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
     old = json.loads(args.compare.read_text()) if args.compare else None
     rows: list[Row] = rows_for(results, old)
-    results["table"] = [r.as_dict() for r in rows]
+    results["table"] = [r.as_dict() for r in rows_for(results)]  # no comparison: it stands alone
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(render(results, rows, compared=args.compare))
     print(f"\n(raw figures: {out})")
