@@ -237,7 +237,11 @@ def render(results: dict[str, Any], rows: list[Row], compared: Path | None = Non
         table.append(line)
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     widths = [min(w, 80) for w in widths]
-    out = [head, "Every figure is the median of several runs (see results.json for each run).", ""]
+    out = [
+        head,
+        "Every figure is the median of several runs (their spread is in results.json).",
+        "",
+    ]
     out.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
     out.append("  ".join("-" * w for w in widths))
     for t in table:
