@@ -2,10 +2,10 @@
 
     python bench/msprobe_ingest.py [--ranks 8 --steps 100 --params 250] [--latency-only]
 
-Part 1 writes a V1 tree (every family, one file per rank/family/step, NaN from a late step on
-one rank, then everywhere) and times `Pipeline.scan()` over it. Part 2 starts `nanwatch watch`
-(a real process) on an empty folder, lets a 2-rank "training" write one step's CSVs every 0.3 s
-and measures the time from the NaN step's last CSV landing to the incident being in the
+Part 1 writes a V1 tree (every family, one file per rank/family/step, NaN at the second-to-last
+step on one rank, then everywhere) and times `Pipeline.scan()` over it. Part 2 starts `nanwatch
+watch` (a real process) on an empty folder, lets a 2-rank "training" write one step's CSVs every
+0.3 s and measures the time from the NaN step's last CSV landing to the incident being in the
 database with its origin.
 """
 
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HEAD_MICRO = "vpp_stage,name,step,micro_step,norm,min,max,mean,nans,zeros,shape,dtype\n"
 HEAD = "vpp_stage,name,step,norm,min,max,mean,nans,zeros,shape,dtype\n"
@@ -60,39 +61,45 @@ def write_step(folder: Path, step: int, params: int, nan: bool) -> int:
     return rows
 
 
-def throughput(ranks: int, steps: int, params: int) -> dict[str, float]:
+def throughput(ranks: int, steps: int, params: int, runs: int = 1) -> dict[str, Any]:
+    """Scan a generated tree ``runs`` times (fresh database each time); median figures."""
     from nanwatch.config import Config
+    from nanwatch.detect.msprobe import MonitorReader
     from nanwatch.pipeline import Pipeline
     from nanwatch.store import Store
+    from nanwatch.stream import StreamState
 
     tmp = Path(tempfile.mkdtemp(prefix="nw-bench-"))
     try:
         rows = 0
-        nan_at = int(steps * 0.8)
+        # the NaN: rank 3 at the second-to-last step, every rank at the last one (so that
+        # doubling the steps doubles the healthy rows, not the NaN spreading)
+        nan_at = steps - 2
+        first = min(3, ranks - 1)  # the rank whose NaN comes first
         for r in range(ranks):
             d = tmp / "run" / "monitor_output" / f"Dec01_10-00-00-rank{r}-{r:08x}"
             d.mkdir(parents=True)
             for s in range(steps):
-                rows += write_step(d, s, params, s > nan_at or (s == nan_at and r == 3))
+                rows += write_step(d, s, params, s > nan_at or (s == nan_at and r == first))
         files = sorted((tmp / "run").rglob("*.csv"))
         size = sum(f.stat().st_size for f in files)
         # the reader alone (no file tracking, no store): what parsing costs
-        from nanwatch.detect.msprobe import MonitorReader
-        from nanwatch.stream import StreamState
-
         reader = MonitorReader()
         t0 = time.perf_counter()
         for f in files:
             reader.feed(f.read_bytes(), 0, StreamState(), str(f))
         reader_dt = time.perf_counter() - t0
-        store = Store.open(tmp / "db")
-        t0 = time.perf_counter()
-        pipe = Pipeline(Config(), store, [str(tmp / "run")])
-        pipe.scan()
-        dt = time.perf_counter() - t0
-        events = store.conn.execute("SELECT count(*) FROM events").fetchone()[0]
-        origin = json.loads(store.conn.execute("SELECT origin FROM incidents").fetchone()[0])
-        store.close()
+        times = []
+        for i in range(runs):
+            store = Store.open(tmp / f"db{i}")
+            t0 = time.perf_counter()
+            pipe = Pipeline(Config(), store, [str(tmp / "run")])
+            pipe.scan()
+            times.append(time.perf_counter() - t0)
+            events = store.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+            origin = json.loads(store.conn.execute("SELECT origin FROM incidents").fetchone()[0])
+            store.close()
+        dt = statistics.median(times)
         return {
             "rows": rows,
             "mb": round(size / 1e6, 1),
@@ -102,6 +109,9 @@ def throughput(ranks: int, steps: int, params: int) -> dict[str, float]:
             "mb_per_s": round(size / 1e6 / dt, 1),
             "events": events,
             "origin": f"rank {origin['rank']} step {origin['step']} {origin['tensor']}",
+            "origin_ok": (origin["rank"], origin["step"]) == (first, nan_at),
+            "runs": runs,
+            "spread": round((max(times) - min(times)) / dt, 2),
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

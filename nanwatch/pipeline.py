@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from .detect import Detector, RuleSet, load_rules
 from .detect.companion import run_update
 from .detect.msprobe import MonitorReader
 from .detect.msprobe.reader import Rewritten
+from .detect.pool import DetectorPool, Done, usable_workers
 from .errors import StoreError
 from .events import Event, Metric, now_utc
 from .notify.outbox import Outbox, Result, Sender, Sink
@@ -40,10 +41,17 @@ from .stream import StreamState
 
 log = logging.getLogger("nanwatch")
 
-BATCH_BYTES = 32 << 20  # commit at least this often during a catch-up
+BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
+POOL_MIN_BYTES = 32 << 20  # a scan reads more text than this: detect in worker processes
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
+# watch: a pass that committed nothing correlates at most this often (quiet incidents still
+# resolve on time), and step times are looked at for slowdowns at most every SLOWDOWN_GAP s
+# and with at most SLOWDOWN_SHARE of the time (a long run's history is reread each time)
+QUIET_CORRELATE = 60.0
+SLOWDOWN_GAP = 5.0
+SLOWDOWN_SHARE = 0.02
 
 
 @dataclass
@@ -63,9 +71,62 @@ class Stats:
 class _Pending:
     chunk: Chunk
     events: list[Event]
-    metrics: list[Metric]
+    metrics: list[Metric] | list[tuple[Any, ...]]  # rows from a detection worker are tuples
     state: StreamState
+    size: int = 0  # bytes read (the chunk may no longer hold them)
+    lines: int = 0
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
+
+
+class _Batch:
+    """Pending chunks of one pass, committed together once they are big enough."""
+
+    def __init__(self, commit: Callable[[list[_Pending]], None]) -> None:
+        self.commit = commit
+        self.items: list[_Pending] = []
+        self.size = 0
+        self.events = 0
+
+    def add(self, p: _Pending) -> None:
+        self.items.append(p)
+        self.size += p.size
+        self.events += len(p.events)
+        if self.size >= BATCH_BYTES or self.events >= BATCH_EVENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        items, self.items, self.size, self.events = self.items, [], 0, 0
+        self.commit(items)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+class _Pooled:
+    """A pool's ordered results, looked at one ahead, with the stream index of each record."""
+
+    def __init__(
+        self, pool: DetectorPool, results: Iterator[tuple[int, Done]], texts: list[SourceRecord]
+    ) -> None:
+        self.pool = pool
+        self.results = results
+        self.index = {id(r): i for i, r in enumerate(texts)}
+        self._head: tuple[int, Done] | None = None
+
+    def peek(self) -> tuple[int, Done] | None:
+        if self._head is None:
+            self._head = next(self.results, None)
+        return self._head
+
+    def next(self) -> None:
+        self._head = None
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class Pipeline:
@@ -120,6 +181,8 @@ class Pipeline:
         # called on the writer thread after every commit: a long catch-up still shows progress
         self.on_progress: Callable[[], None] | None = None
         self._reconfigured = False
+        self._correlated = float("-inf")  # when the correlator last ran (monotonic)
+        self._next_slowdowns = 0.0
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe)."""
@@ -193,54 +256,37 @@ class Pipeline:
             self.tracker.discover()
         settled = self.tracker.settle_pending()
         wanted = set(only) | {r.path for r in settled} if only is not None else None
-        batch: list[_Pending] = []
-        size = 0
-        nevents = 0
+        commits = self.stats.commits
+        batch = _Batch(self._commit)
         # monitor CSVs in step order (one file per step range): the first NaN steps come first
-        for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order):
-            if wanted is not None and rec.path not in wanted:
-                continue
-            # monitor output has its own readers; everything else goes through the rule packs
-            route = self.monitor.route(rec.path)
-            if route == "anomaly":
-                pending = self._snapshot(rec)
-                if pending is not None:
-                    batch.append(pending)
-                    nevents += len(pending.events)
-                continue
-            monitor_feed = None if route is None else self._monitor_feed(rec.root)
-            states: dict[int, StreamState] = {}
-            for chunk in self.tracker.read(rec, final=final):
-                if chunk.final and route is not None:
-                    continue  # an unterminated CSV row may be half-written: never parsed
-                r = chunk.record
-                if r.run_id is None:
-                    r.run_id = self._assign_run(r.root, r.path)
-                st = states.get(id(r))
-                if st is None:
-                    st = copy.copy(r.state)
-                work = copy.copy(st) if chunk.final else st
-                facts: list[dict[str, Any]] = []
-                if monitor_feed is None:
-                    events, metrics = self.detector.feed(
-                        chunk.data, chunk.start, work, r.path, facts=facts
-                    )
-                    if events:
-                        events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
+        records = [
+            rec
+            for rec in sorted(self.tracker.records.values(), key=self.monitor.read_order)
+            if wanted is None or rec.path in wanted
+        ]
+        pooled = self._pooled(records, final)
+        try:
+            for rec in records:
+                # monitor output has its own readers; everything else goes through the rule packs
+                route = self.monitor.route(rec.path)
+                if route == "anomaly":
+                    pending = self._snapshot(rec)
+                    if pending is not None:
+                        batch.add(pending)
+                elif route is None and pooled is not None:
+                    self._take_pooled(rec, pooled, batch)
                 else:
-                    events, metrics = monitor_feed(chunk.data, chunk.start, work, r.path)
-                if not chunk.final:
-                    states[id(r)] = st
-                batch.append(_Pending(chunk, events, metrics, work, facts))
-                size += len(chunk.data)
-                nevents += len(events)
-                if size >= BATCH_BYTES or nevents >= BATCH_EVENTS:
-                    self._commit(batch)
-                    batch, size, nevents = [], 0, 0
+                    self._read(rec, route, final, batch)
+        finally:
+            if pooled is not None:
+                pooled.close()
         # commit first: a decision about a renamed or copied file below must see every offset
         # this pass moved (a rotated copy resumes where its twin's committed bytes end)
-        self._commit(batch)
-        vanished = self.tracker.drain_vanished()
+        batch.flush()
+        # a wake-up with nothing to read (a watchdog tick) has no file to look for: renames and
+        # deletions come as structural events, which make the pass a full one
+        idle = wanted is not None and not wanted
+        vanished = [] if idle else self.tracker.drain_vanished()
         if vanished or self.tracker.suspects:
             # a path that no longer shows its file: renamed (a rotation, maybe during this very
             # pass) or gone? Only a walk of the roots can tell; a renamed file is followed under
@@ -256,13 +302,100 @@ class Pipeline:
             with self.store.transaction():
                 refresh(self.store, self.config.cluster, self._dirty_runs, run=self.forced_run)
             self._dirty_runs.clear()
-        changes = self.correlator.process(live=self.live)
+        changes = self._correlate(self.stats.commits != commits)
         if changes:
             if self.outbox is not None:
                 self.outbox.enqueue(changes, immediate=not self.live)
             if self.on_changes is not None:
                 self.on_changes(changes)
         return changes
+
+    def _correlate(self, committed: bool) -> list[Change]:
+        if not self.live:
+            return self.correlator.process(live=False)
+        now = time.monotonic()
+        # nothing new (a watchdog tick, a wake-up that found nothing): the correlator
+        # still runs now and then so that quiet incidents resolve on time
+        quiet = QUIET_CORRELATE
+        if self.correlator.resolve_after:
+            quiet = min(quiet, self.correlator.resolve_after / 4)
+        if not committed and now - self._correlated < quiet:
+            return []
+        slowdowns = now >= self._next_slowdowns
+        t0 = time.perf_counter()
+        changes = self.correlator.process(live=True, slowdowns=slowdowns)
+        if slowdowns:
+            spent = time.perf_counter() - t0
+            self._next_slowdowns = now + max(SLOWDOWN_GAP, spent / SLOWDOWN_SHARE)
+        self._correlated = now
+        return changes
+
+    def _read(self, rec: SourceRecord, route: str | None, final: bool, batch: _Batch) -> None:
+        """Read a record's new chunks and detect in this process."""
+        monitor_feed = None if route is None else self._monitor_feed(rec.root)
+        states: dict[int, StreamState] = {}
+        for chunk in self.tracker.read(rec, final=final):
+            if chunk.final and route is not None:
+                continue  # an unterminated CSV row may be half-written: never parsed
+            r = chunk.record
+            if r.run_id is None:
+                r.run_id = self._assign_run(r.root, r.path)
+            st = states.get(id(r))
+            if st is None:
+                st = copy.copy(r.state)
+            work = copy.copy(st) if chunk.final else st
+            facts: list[dict[str, Any]] = []
+            if route is None:
+                events, metrics = self.detector.feed(
+                    chunk.data, chunk.start, work, r.path, facts=facts
+                )
+                if events:
+                    events = self.monitor.bound(events, work, r.path)  # msprobe alert lines
+            else:
+                assert monitor_feed is not None
+                events, metrics = monitor_feed(chunk.data, chunk.start, work, r.path)
+            if not chunk.final:
+                states[id(r)] = st
+            size, lines = len(chunk.data), chunk.data.count(b"\n")
+            # the batch keeps what the commit needs, not the bytes (memory stays flat)
+            light = copy.copy(chunk)
+            light.data = b""
+            batch.add(_Pending(light, events, metrics, work, size, lines, facts))
+
+    def _pooled(self, records: list[SourceRecord], final: bool) -> _Pooled | None:
+        """Worker processes for the rule packs, when a scan has enough text to read."""
+        if self.live or not final:
+            return None
+        texts = [r for r in records if self.monitor.route(r.path) is None]
+        todo = [n for r in texts if r.status == "active" and (n := _size(r.path) - r.offset) > 0]
+        if len(todo) < 2 or sum(todo) < POOL_MIN_BYTES:
+            return None
+        workers = min(usable_workers(), len(todo))
+        if workers < 2:
+            return None
+        pool = DetectorPool(self.detector, workers)
+        return _Pooled(pool, pool.ordered(self.tracker.read(r, final=final) for r in texts), texts)
+
+    def _take_pooled(self, rec: SourceRecord, pooled: _Pooled, batch: _Batch) -> None:
+        """The results of one text record, detected in a worker, in their serial order."""
+        index = pooled.index[id(rec)]
+        msprobe: dict[int, dict[str, Any] | None] = {}
+        while True:
+            got = pooled.peek()
+            if got is None or got[0] != index:
+                return
+            pooled.next()
+            chunk, size, lines, events, metrics, state, facts = got[1]
+            r = chunk.record
+            if r.run_id is None:
+                r.run_id = self._assign_run(r.root, r.path)
+            # msprobe alert-line counts live in the state but are kept here, not in the worker
+            state.msprobe = msprobe.get(id(r), r.state.msprobe)
+            if events:
+                events = self.monitor.bound(events, state, r.path)
+            if not chunk.final:
+                msprobe[id(r)] = state.msprobe
+            batch.add(_Pending(chunk, events, metrics, state, size, lines, facts))
 
     def _monitor_feed(
         self, root: Root
@@ -335,14 +468,26 @@ class Pipeline:
         """Every decision about a file (a new one, a rotated copy resuming at byte N, a new
         generation after truncation, a retirement) is stored even when no bytes came with it,
         so a restart makes the same decision."""
+        active = [
+            rec
+            for rec in self.tracker.records.values()
+            if rec.status == "active" and (rec.id is None or rec.renamed)
+        ]
+        retired = [
+            rec
+            for rec in self.tracker.retired
+            if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status
+        ]
+        if not active and not retired:
+            return  # nothing to write: no transaction either (the idle daemon's usual pass)
         with self.store.transaction():
-            for rec in self.tracker.records.values():
-                if rec.id is not None and rec.renamed and rec.status == "active":
+            for rec in active:
+                if rec.id is not None and rec.renamed:
                     self.store.execute(
                         "UPDATE sources SET path = ? WHERE id = ?", (rec.path, rec.id)
                     )
                     rec.renamed = False
-                if rec.id is None and rec.status == "active":
+                if rec.id is None:
                     self.store.save_source(
                         rec,
                         offset=rec.offset,
@@ -352,10 +497,10 @@ class Pipeline:
                         cutting=rec.cutting,
                         ctx=rec.state.to_json(),
                     )
-            for rec in self.tracker.retired:
-                if rec.id is not None and getattr(rec, "_saved_status", None) != rec.status:
-                    self.store.set_source_status(rec.id, rec.status)
-                    rec._saved_status = rec.status  # type: ignore[attr-defined]
+            for rec in retired:
+                assert rec.id is not None
+                self.store.set_source_status(rec.id, rec.status)
+                rec._saved_status = rec.status  # type: ignore[attr-defined]
 
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:
@@ -402,8 +547,8 @@ class Pipeline:
                 self.stats.metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
                     self.stats.events.update(e.kind for e in p.events)
-                self.stats.bytes += len(p.chunk.data)
-                self.stats.lines += p.chunk.data.count(b"\n")
+                self.stats.bytes += p.size
+                self.stats.lines += p.lines
                 if rec.run_id is not None:
                     self.stats.runs.add(rec.run_id)
         for p in batch:

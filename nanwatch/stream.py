@@ -7,7 +7,7 @@ stage, epoch, iteration and line count it had.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # What a launcher or scheduler prints about the launch (context rules' groups of these names):
@@ -59,8 +59,10 @@ class StreamState:
     launch: dict[str, str] | None = None
 
     def to_json(self) -> str:
-        # only absent values are left out: rank 0, epoch 0 and step 0 are real values
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None and v != {}})
+        # only absent values are left out: rank 0, epoch 0 and step 0 are real values; json
+        # walks the nested dicts itself (asdict's deep copy cost more than the dump, per chunk)
+        values = ((k, getattr(self, k)) for k in _FIELDS)
+        return json.dumps({k: v for k, v in values if v is not None and v != {}})
 
     @classmethod
     def from_json(cls, text: str | None) -> StreamState:
@@ -69,3 +71,6 @@ class StreamState:
         data = json.loads(text)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+_FIELDS = tuple(f.name for f in fields(StreamState))

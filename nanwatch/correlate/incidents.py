@@ -90,9 +90,16 @@ class Correlator:
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
 
-    def process(self, *, live: bool = False, now: float | None = None) -> list[Change]:
-        """Correlate new events; under ``watch`` (``live``) also resolve quiet incidents."""
-        self._slowdowns()
+    def process(
+        self, *, live: bool = False, now: float | None = None, slowdowns: bool = True
+    ) -> list[Change]:
+        """Correlate new events; under ``watch`` (``live``) also resolve quiet incidents.
+
+        ``slowdowns=False`` leaves the step times committed since the last look for a later
+        pass (a slowdown is a trend: rereading a long run's step times on every pass of a busy
+        daemon would cost more than everything else it does)."""
+        if slowdowns:
+            self._slowdowns()
         last = int(self.store.meta_get(self.META_KEY, "0") or 0)
         changes: list[Change] = []
         while True:
@@ -126,9 +133,10 @@ class Correlator:
         }
         for run_id in list(runs):
             runs.update(slowdown.later_runs(self.store.conn, run_id))
+        cache: dict[int, list[slowdown.Point]] = {}
         with self.store.transaction():
             for run_id in sorted(runs):
-                finding = slowdown.find(self.store.conn, run_id)
+                finding = slowdown.find(self.store.conn, run_id, cache)
                 if finding is None:
                     continue
                 exists = self.store.conn.execute(

@@ -11,7 +11,6 @@ experiment (same work_dir / config name), even if the two were scanned separatel
 from __future__ import annotations
 
 import sqlite3
-from collections import defaultdict
 from dataclasses import dataclass
 from statistics import median
 from typing import Any
@@ -38,24 +37,36 @@ class Point:
     time: str | None
 
 
-def series(conn: sqlite3.Connection, run_id: int) -> list[Point]:
-    """Median step time per logged training step (over ranks), in step order."""
+def series(
+    conn: sqlite3.Connection, run_id: int, cache: dict[int, list[Point]] | None = None
+) -> list[Point]:
+    """Median step time per logged training step (over ranks), in step order.
+
+    Rows are read in the order of the ``metrics_run`` index (rank, step), with no sort and
+    without holding them: a long run has millions. Within a step the ranks come in order, so
+    the step's first row (its place) is its lowest rank's, as with ``ORDER BY step, rank``.
+    ``cache`` keeps the series of one pass (a run is also its successor's baseline).
+    """
+    if cache is not None and run_id in cache:
+        return cache[run_id]
     rows = conn.execute(
         "SELECT step, step_time, source_id, offset, epoch, iter, time FROM metrics "
         "WHERE run_id = ? AND stage = 'train' AND step_time IS NOT NULL AND step IS NOT NULL "
-        "AND step_time > 0 ORDER BY step, rank",
+        "AND step_time > 0 ORDER BY rank, step",
         (run_id,),
-    ).fetchall()
-    by_step: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    )
+    seconds: dict[int, list[float]] = {}
+    first: dict[int, tuple[Any, ...]] = {}
     for r in rows:
-        by_step[r[0]].append(r)
-    out = []
-    for step in sorted(by_step):
-        rs = by_step[step]
-        first = rs[0]
-        out.append(
-            Point(step, median(r[1] for r in rs), first[2], first[3], first[4], first[5], first[6])
-        )
+        got = seconds.get(r[0])
+        if got is None:
+            seconds[r[0]] = [r[1]]
+            first[r[0]] = r
+        else:
+            got.append(r[1])
+    out = [Point(step, median(seconds[step]), *first[step][2:]) for step in sorted(seconds)]
+    if cache is not None:
+        cache[run_id] = out
     return out
 
 
@@ -138,14 +149,16 @@ def later_runs(conn: sqlite3.Connection, run_id: int) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def find(conn: sqlite3.Connection, run_id: int) -> Finding | None:
-    points = series(conn, run_id)
+def find(
+    conn: sqlite3.Connection, run_id: int, cache: dict[int, list[Point]] | None = None
+) -> Finding | None:
+    points = series(conn, run_id, cache)
     if len(points) < MIN_POINTS:
         return None
     candidates = []
     prev = previous_run(conn, run_id)
     if prev is not None:
-        f = previous_run_finding(points, series(conn, prev[0]), prev[1])
+        f = previous_run_finding(points, series(conn, prev[0], cache), prev[1])
         if f is not None:
             candidates.append(f)
     f = own_baseline_finding(points)

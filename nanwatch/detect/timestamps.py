@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 import time as _time
+from typing import Any
 
 from ..events import format_utc
 
@@ -20,6 +21,7 @@ _FULL = re.compile(
     r"(?:[.,](?P<frac>\d{1,9}))?(?:\.\d+)*(?P<tz>Z|[+-][01]\d:?[0-5]\d)?"
 )
 # glog, and c10's logger inside brackets with an unpadded month: "[E321 02:07:08.408271257 ..."
+_FULL_BYTES = re.compile(_FULL.pattern.encode())  # the same, for a line's head as read
 _GLOG = re.compile(
     r"^\[?[IWEF](?P<mo>1[0-2]|0?[1-9])(?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
     r"(?:\.(?P<frac>\d{1,9}))?"
@@ -32,12 +34,19 @@ _SCAN = 80  # bytes of a line that may hold its timestamp
 
 
 class TimeParser:
-    """Parses line timestamps; caches the local-time conversion per minute."""
+    """Parses line timestamps; caches the local-time conversion and the UTC text per minute.
 
-    __slots__ = ("_cache", "default_year")
+    Every iteration line carries a timestamp: this runs hundreds of thousands of times in a
+    catch-up scan, so the common layouts avoid ``groupdict`` and ``datetime`` formatting.
+    """
+
+    __slots__ = ("_bases", "_cache", "_minutes", "default_year")
 
     def __init__(self, default_year: int | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
+        self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
+        # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
+        self._bases: dict[tuple[Any, ...], float | bool] = {}
         self.default_year = default_year or _dt.date.today().year
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
@@ -54,17 +63,72 @@ class TimeParser:
         return base
 
     def parse(self, line: str) -> str | None:
-        head = line[:_SCAN]
-        m = _FULL.search(head)
-        year: int | None
+        m = _FULL.search(line, 0, _SCAN)
         if m:
-            year = int(m.group("y"))
-        else:
-            m = _GLOG.match(head) or _SHORT.match(head)
-            if not m:
-                return None
-            year = self.default_year
-        return self._from_match(m, year)
+            y, mo, d, h, mi, s, frac, tz = m.groups()
+            if tz is None:
+                # the common case, inline: a naive local time; its minute is looked up once
+                key = (y, mo, d, h, mi)
+                base = self._bases.get(key)
+                if base is None:
+                    if len(self._bases) > 4096:
+                        self._bases.clear()
+                    base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+                sec = int(s)
+                if base is False or sec >= 62:
+                    return None
+                return self._utc(base + sec + (float("0." + frac) if frac else 0.0))
+            return self.parse_fields(int(y), int(mo), int(d), int(h), int(mi), int(s), frac, tz)
+        head = line[:_SCAN]
+        m = _GLOG.match(head) or _SHORT.match(head)
+        if not m:
+            return None
+        return self._from_match(m, self.default_year)
+
+    def parse_bytes(self, head: bytes) -> str | None:
+        """:meth:`parse` of a line's head as read (no decoding for the common ASCII case)."""
+        if not head:
+            return None
+        if not head.isascii():
+            return self.parse(head.decode("utf-8", "replace"))
+        m = _FULL_BYTES.search(head, 0, _SCAN)
+        if m is None:
+            return self.parse(head.decode("ascii"))
+        y, mo, d, h, mi, s, frac, tz = m.groups()
+        if tz is not None:
+            return self.parse(head.decode("ascii"))
+        key = (y, mo, d, h, mi)
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) > 4096:
+                self._bases.clear()
+            base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+        sec = int(s)
+        if base is False or sec >= 62:
+            return None
+        return self._utc(base + sec + (float(b"0." + frac) if frac else 0.0))
+
+    def _minute(self, y: int, mo: int, d: int, h: int, mi: int) -> float | bool:
+        """Epoch seconds of a local minute; False when it is not a valid one."""
+        if not (1 <= mo <= 12 and 1 <= d <= 31 and h < 24 and mi < 60):
+            return False
+        base = self._epoch(y, mo, d, h, mi)
+        return False if base is None else base
+
+    def _utc(self, ts: float) -> str:
+        """:func:`format_utc`, with the date and time up to the minute formatted once."""
+        ms = round(ts * 1000)
+        sec, milli = divmod(ms, 1000)
+        minute = sec - sec % 60
+        prefix = self._minutes.get(minute)
+        if prefix is None:
+            if len(self._minutes) > 4096:
+                self._minutes.clear()
+            prefix = _dt.datetime.fromtimestamp(minute, _dt.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:"
+            )
+            self._minutes[minute] = prefix
+        return f"{prefix}{sec - minute:02d}.{milli:03d}Z"
 
     def parse_fields(
         self,
@@ -92,7 +156,7 @@ class TimeParser:
         base = self._epoch(year, mo, d, h, mi)
         if base is None:
             return None
-        return format_utc(base + s + fr)
+        return self._utc(base + s + fr)
 
     def _from_match(self, m: re.Match[str], year: int | None) -> str | None:
         g = m.groupdict()

@@ -279,11 +279,11 @@ class Tracker:
         return len(tail) == rec.offset - lo and _digest(tail) == rec.tail_hash
 
     def _gen(self, dev: int, ino: int, at_least: int = 0) -> int:
-        used = [
-            r.gen + 1
-            for r in (*self.records.values(), *self.retired)
-            if (r.dev, r.ino) == (dev, ino)
-        ]
+        # records are keyed by identity: one lookup there, the (short) retired list walked
+        used = [r.gen + 1 for r in self.retired if (r.dev, r.ino) == (dev, ino)]
+        current = self.records.get((dev, ino))
+        if current is not None:
+            used.append(current.gen + 1)
         return max([at_least, self.next_gen(dev, ino), *used])
 
     def _copy_candidate(self, rec: SourceRecord, fd: int, size: int) -> SourceRecord | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from ..events import Event, Metric, now_utc
+from ..events import Event, now_utc
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -29,6 +29,9 @@ EVENT_COLUMNS = (
     "id, kind, time, ingested_at, run_id, source_id, offset, key, line, rank, local_rank, node, "
     "epoch, iter, step, stage, device, message, fields, incident_id"
 )
+
+
+_EVENT_KEYS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
 
 
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
@@ -460,28 +463,12 @@ class Store:
         return self.conn.total_changes - before
 
     def insert_metrics(
-        self, run_id: int | None, source_id: int | None, metrics: Iterable[Metric]
+        self, run_id: int | None, source_id: int | None, metrics: Iterable[tuple[Any, ...]]
     ) -> int:
-        rows = [
-            (
-                run_id,
-                source_id,
-                m.offset,
-                m.rank,
-                m.step,
-                m.epoch,
-                m.iter,
-                m.stage,
-                m.time,
-                m.loss,
-                m.grad_norm,
-                m.step_time,
-                m.data_time,
-                m.lr,
-                m.memory,
-            )
-            for m in metrics
-        ]
+        """Metrics (or plain tuples in Metric's field order: what detection workers send)."""
+        # a Metric is a tuple in the column order below
+        head = (run_id, source_id)
+        rows = [head + m for m in metrics]
         if not rows:
             return 0
         before = self.conn.total_changes
@@ -655,8 +642,7 @@ class Store:
 
     @staticmethod
     def _event(row: Sequence[Any]) -> dict[str, Any]:
-        cols = [c.strip() for c in EVENT_COLUMNS.split(",")]
-        d = dict(zip(cols, row))
+        d = dict(zip(_EVENT_KEYS, row))
         d["fields"] = json.loads(d["fields"] or "{}")
         return d
 
