@@ -170,6 +170,34 @@ def test_copytruncate_rotation_reads_only_the_copy_tail(tmp_path: Path, db: Path
         live.close()
 
 
+def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
+    tmp_path: Path, db: Path
+) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    text = "".join(nan_line(i) for i in range(1, 41))
+    log.write_text(text)
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        copy = d / "rank0.log.1"
+        copy.write_text(text[: len(text) // 3])  # logrotate is still copying when we look
+        live.step()
+        assert len(nan_iters(db)) == 40  # nothing of the partial copy is read from byte 0
+        with copy.open("a") as f:
+            f.write(text[len(text) // 3 :] + nan_line(41))  # 41 was not yet read from the log
+        with log.open("r+") as f:
+            f.truncate(0)
+        with log.open("a") as f:
+            f.write(nan_line(42))
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 43))
+    finally:
+        live.close()
+
+
 def test_side_by_side_identical_files_are_both_read(tmp_path: Path, db: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()

@@ -63,6 +63,29 @@ def rotated_name_of(candidate: str, original: str) -> bool:
     return b == base or bool(_ROTATED_SUFFIX.match(b[len(base) :]))
 
 
+def _head_matches(fd: int, other: SourceRecord) -> bool:
+    """Does the file behind ``fd`` start with the bytes ``other`` hashed as its head?"""
+    try:
+        head = os.pread(fd, other.head_len, 0)
+    except OSError:
+        return False
+    return _digest(head) == other.head_hash
+
+
+def _holds(fd: int, size: int, other: SourceRecord) -> bool:
+    """Does the file behind ``fd`` hold ``other``'s bytes before its committed offset?"""
+    if size < other.offset or other.tail_hash is None:
+        return False
+    if other.head_hash is not None and not _head_matches(fd, other):
+        return False
+    lo = max(0, other.offset - TAIL)
+    try:
+        tail = os.pread(fd, other.offset - lo, lo)
+    except OSError:
+        return False
+    return _digest(tail) == other.tail_hash
+
+
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
@@ -254,6 +277,13 @@ class Tracker:
             elif self.live and not initial:
                 rec.status = "pending"  # may be a copytruncate copy made just before truncation
                 rec.copy_of = twin
+        elif self.live and not initial:
+            twin = self._copy_candidate(rec, fd, st.st_size, partial=True)
+            if twin is not None:
+                # a copy still being written (logrotate copies, then truncates): it waits
+                # until it holds its twin's bytes, or for COPY_GRACE
+                rec.status = "pending"
+                rec.copy_of = twin
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         elif st.st_size > 0:
@@ -286,8 +316,13 @@ class Tracker:
             used.append(current.gen + 1)
         return max([at_least, self.next_gen(dev, ino), *used])
 
-    def _copy_candidate(self, rec: SourceRecord, fd: int, size: int) -> SourceRecord | None:
-        """A known generation in the same folder whose bytes before its offset this file holds."""
+    def _copy_candidate(
+        self, rec: SourceRecord, fd: int, size: int, *, partial: bool = False
+    ) -> SourceRecord | None:
+        """A known generation in the same folder whose bytes before its offset this file holds.
+
+        With ``partial``, a file shorter than that offset which starts like the generation
+        (as far as its bytes go) is a candidate too: a copy caught while it is written."""
         if rotation_base(rec.path) == os.path.basename(rec.path):
             return None  # only a name with a rotation suffix (.1, -20261130) can be a copy
         folder = os.path.dirname(rec.path)
@@ -295,23 +330,17 @@ class Tracker:
         for other in pool:
             if other is rec or other.offset <= 0 or other.tail_hash is None:
                 continue
-            if os.path.dirname(other.path) != folder or size < other.offset:
+            if os.path.dirname(other.path) != folder or (size < other.offset) != partial:
                 continue
             if not rotated_name_of(rec.path, other.path):
                 continue  # side-by-side files (rank0.log, rank6.log) share banners, not identity
-            if other.head_hash is not None:
-                try:
-                    head = os.pread(fd, other.head_len, 0)
-                except OSError:
-                    return None
-                if _digest(head) != other.head_hash:
-                    continue
-            lo = max(0, other.offset - TAIL)
-            try:
-                tail = os.pread(fd, other.offset - lo, lo)
-            except OSError:
-                return None
-            if _digest(tail) == other.tail_hash:
+            if partial:
+                if other.status == "active" and (
+                    other.head_hash is None or size < other.head_len or _head_matches(fd, other)
+                ):
+                    return other
+                continue
+            if _holds(fd, size, other):
                 return other
         return None
 
@@ -354,6 +383,13 @@ class Tracker:
             if rec.status != "pending" or rec.copy_of is None:
                 continue
             twin = rec.copy_of
+            if rec.offset == 0 and not self._holds_twin(rec, twin):
+                # still being copied (or not a copy after all): wait, within the grace
+                if now - rec.since > COPY_GRACE:
+                    rec.status = "active"
+                    rec.copy_of = None
+                    settled.append(rec)
+                continue
             self.check(twin)
             if self._twin_rotated(twin):
                 self._continue_from(rec, twin)
@@ -363,6 +399,16 @@ class Tracker:
                 rec.copy_of = None
                 settled.append(rec)
         return settled
+
+    def _holds_twin(self, rec: SourceRecord, twin: SourceRecord) -> bool:
+        fd = self._ensure_fd(rec)
+        if fd is None:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            return False
+        return _holds(fd, size, twin)
 
     # -- reading ---------------------------------------------------------------------------------
 
