@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +42,10 @@ PLAN: dict[str, dict[str, Any]] = {
         "quick": {"seconds": 15, "poll_seconds": 10, "load_seconds": 10, "tick_seconds": 10},
     },
     "query": {"full": {"events": 1_000_000, "runs": 5}, "quick": {"events": 200_000, "runs": 3}},
+    "hook": {
+        "full": {"iters": 20000, "batch": 16, "repeat": 5},
+        "quick": {"iters": 5000, "batch": 16, "repeat": 3},
+    },
 }
 
 
@@ -118,6 +123,28 @@ def _startup(p: dict[str, Any]) -> dict[str, Any]:
     return startup.run(p["runs"])
 
 
+def _hook(p: dict[str, Any]) -> dict[str, Any]:
+    # in a process of its own: torch and mmengine stay out of this one
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.hook_overhead",
+            f"--iters={p['iters']}",
+            f"--batch={p['batch']}",
+            f"--repeat={p['repeat']}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if not out.stdout.strip():
+        raise RuntimeError(f"bench.hook_overhead failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "startup": _startup,
     "scan": _scan,
@@ -125,6 +152,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "live": _live,
     "idle": _idle,
     "query": _query,
+    "hook": _hook,
 }
 
 

@@ -216,6 +216,25 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
                 f"query/queries/{name}/ms",
                 v["ms"],
             )
+    if "hook" in s:
+        hk = s["hook"]
+        yield Row(
+            f"companion hook per iteration, batch of {hk['batch']}, all with ground truth "
+            f"(a no-op hook: {hk['baseline_us']:.1f} us)",
+            f"{hk['healthy_us']:.1f} us per iteration",
+            "< 100 us",
+            hk["healthy_us"] < 100,
+            "hook/healthy_us",
+            hk["healthy_us"],
+        )
+        yield Row(
+            "the same, one empty sample per batch (lines rate-limited)",
+            f"{hk['one_empty_us']:.1f} us per iteration",
+            "",
+            None,
+            "hook/one_empty_us",
+            hk["one_empty_us"],
+        )
 
 
 def render(results: dict[str, Any], rows: list[Row], compared: Path | None = None) -> str:
