@@ -198,6 +198,51 @@ def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
         live.close()
 
 
+def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
+    tmp_path: Path, db: Path
+) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    text = "".join(nan_line(i) for i in range(1, 21))
+    log.write_text(text)
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        copy = d / "rank0.log.1"
+        copy.touch()  # logrotate created its copy and has not written yet
+        live.step()
+        with copy.open("a") as f:
+            f.write(text[:100])  # then part of it
+        live.step()
+        assert len(nan_iters(db)) == 20
+        with copy.open("a") as f:
+            f.write(text[100:])
+        with log.open("r+") as f:
+            f.truncate(0)
+        with log.open("a") as f:
+            f.write(nan_line(21))
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 22))
+    finally:
+        live.close()
+
+
+def test_a_new_small_rotated_file_that_is_no_copy_is_read_at_once(tmp_path: Path, db: Path) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    (d / "rank0.log").write_text("".join(nan_line(i) for i in range(1, 21)))
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        (d / "rank0.log.1").write_text(nan_line(99))  # other bytes: not a copy in progress
+        live.step()
+        assert ("rank0.log.1", 99) in nan_iters(db)
+    finally:
+        live.close()
+
+
 def test_side_by_side_identical_files_are_both_read(tmp_path: Path, db: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()

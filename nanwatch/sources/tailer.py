@@ -29,6 +29,7 @@ TAIL = 256  # bytes before the committed offset checked before every read
 MAX_LINE = 1 << 20  # a longer line is cut to this many bytes and counted
 READ_CHUNK = 4 << 20
 COPY_GRACE = 10.0  # seconds a new file may wait for its twin's truncation
+PREFIX_CHECK = 64 << 10  # bytes compared at each end of a copy caught while being written
 MAX_OPEN = 512
 
 
@@ -113,6 +114,7 @@ class SourceRecord:
     lines_cut: int = 0
     since: float = field(default_factory=time.monotonic)
     copy_of: SourceRecord | None = None
+    unjudged: bool = False  # an empty file with a rotated name: a copy may still be written in
     fd: int | None = None
 
     @property
@@ -278,12 +280,7 @@ class Tracker:
                 rec.status = "pending"  # may be a copytruncate copy made just before truncation
                 rec.copy_of = twin
         elif self.live and not initial:
-            twin = self._copy_candidate(rec, fd, st.st_size, partial=True)
-            if twin is not None:
-                # a copy still being written (logrotate copies, then truncates): it waits
-                # until it holds its twin's bytes, or for COPY_GRACE
-                rec.status = "pending"
-                rec.copy_of = twin
+            self._judge_partial(rec, fd, st.st_size)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         elif st.st_size > 0:
@@ -292,6 +289,45 @@ class Tracker:
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec
+
+    def _judge_partial(self, rec: SourceRecord, fd: int, size: int) -> None:
+        """A copy still being written (logrotate copies, then truncates) waits until it holds
+        its twin's bytes, or for COPY_GRACE; an empty file is judged once it has bytes."""
+        if size == 0:
+            rec.unjudged = rotation_base(rec.path) != os.path.basename(rec.path)
+            return
+        twin = self._copy_candidate(rec, fd, size, partial=True)
+        if twin is not None:
+            rec.status = "pending"
+            rec.copy_of = twin
+            rec.since = time.monotonic()
+
+    def _judge(self, rec: SourceRecord) -> bool:
+        """First bytes in a file that was empty with a rotated name: is it a copy? True when it
+        is to be read now."""
+        fd = self._ensure_fd(rec)
+        if fd is None:
+            return True
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            return True
+        if size == 0:
+            return True  # nothing to read; judged when bytes come
+        rec.unjudged = False
+        twin = self._copy_candidate(rec, fd, size)
+        if twin is not None:
+            if self._twin_rotated(twin):
+                self._continue_from(rec, twin)
+                return True
+            rec.status = "pending"
+            rec.copy_of = twin
+            rec.since = time.monotonic()
+        else:
+            self._judge_partial(rec, fd, size)
+        if rec.copy_of is not None:
+            rec.run_id = rec.copy_of.run_id
+        return rec.status != "pending"
 
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
@@ -335,14 +371,28 @@ class Tracker:
             if not rotated_name_of(rec.path, other.path):
                 continue  # side-by-side files (rank0.log, rank6.log) share banners, not identity
             if partial:
-                if other.status == "active" and (
-                    other.head_hash is None or size < other.head_len or _head_matches(fd, other)
-                ):
+                if other.status == "active" and self._prefix_of(fd, size, other):
                     return other
                 continue
             if _holds(fd, size, other):
                 return other
         return None
+
+    def _prefix_of(self, fd: int, size: int, other: SourceRecord) -> bool:
+        """Are the ``size`` bytes behind ``fd`` (their first and last 64 KiB) the start of
+        ``other``'s file as it is now?"""
+        theirs = self._ensure_fd(other)
+        if theirs is None or size <= 0:
+            return False
+        spans = [(0, min(size, PREFIX_CHECK))]
+        if size > PREFIX_CHECK:
+            spans.append((max(PREFIX_CHECK, size - PREFIX_CHECK), size))
+        try:
+            return all(
+                os.pread(fd, hi - lo, lo) == os.pread(theirs, hi - lo, lo) for lo, hi in spans
+            )
+        except OSError:
+            return False
 
     def _twin_rotated(self, twin: SourceRecord) -> bool:
         """Was ``twin`` just truncated or renamed away (so a copy of it is its rotation)?"""
@@ -523,6 +573,8 @@ class Tracker:
     def read(self, rec: SourceRecord, *, final: bool = False) -> Iterator[Chunk]:
         """Yield chunks of complete new lines; ``final`` also gives an unterminated last line."""
         if rec.status == "pending":
+            return
+        if rec.unjudged and rec.offset == 0 and not self._judge(rec):
             return
         verdict = self.check(rec)
         if verdict in ("truncated", "replaced"):
