@@ -43,7 +43,7 @@ log = logging.getLogger("nanwatch")
 
 BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
-POOL_MIN_BYTES = 16 << 20  # a scan reads more text than this: detect in worker processes
+POOL_MIN_BYTES = 32 << 20  # a scan reads more text than this: detect in worker processes
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
 # watch: a pass that committed nothing correlates at most this often (quiet incidents still
