@@ -48,7 +48,7 @@ class TimeParser:
     catch-up scan, so the common layouts avoid ``groupdict`` and ``datetime`` formatting.
     """
 
-    __slots__ = ("_bases", "_cache", "_heads", "_minutes", "_old_heads", "default_year")
+    __slots__ = ("_bases", "_cache", "_heads", "_last", "_minutes", "_old_heads", "default_year")
 
     def __init__(self, default_year: int | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
@@ -57,6 +57,8 @@ class TimeParser:
         self._bases: dict[tuple[Any, ...], float | bool] = {}
         self._heads: dict[bytes, str | None] = {}
         self._old_heads: dict[bytes, str | None] = {}
+        # the last head read as a whole second: (head, where its seconds are, minute's prefix)
+        self._last: tuple[bytes, int, str] | None = None
         self.default_year = default_year or _dt.date.today().year
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
@@ -101,12 +103,30 @@ class TimeParser:
         if got is _MISS:
             got = self._old_heads.get(head, _MISS)
             if got is _MISS:
-                got = self._parse_bytes(head)
+                got = self._next_second(head) or self._parse_bytes(head)
             if len(self._heads) >= HEADS:
                 self._old_heads, self._heads = self._heads, {}
             self._heads[head] = got
         when: str | None = got
         return when
+
+    def _next_second(self, head: bytes) -> str | None:
+        """The last whole-second head with other seconds (the next line of a log, usually).
+
+        Its layout matched at the same place: every byte but the two digits of the seconds is
+        the same, and the bytes before them are a whole date and time up to the minute, which
+        no earlier position can read past (the first ``:`` before the seconds is the minute's).
+        """
+        last = self._last
+        if last is None:
+            return None
+        text, at, prefix = last
+        if len(head) != len(text) or head[:at] != text[:at] or head[at + 2 :] != text[at + 2 :]:
+            return None
+        tens, ones = head[at], head[at + 1]
+        if not (48 <= tens <= 53 and 48 <= ones <= 57):  # 00..59
+            return None
+        return prefix + _WHOLE[(tens - 48) * 10 + ones - 48]
 
     def _parse_bytes(self, head: bytes) -> str | None:
         if not head:
@@ -134,6 +154,7 @@ class TimeParser:
             if minute == base and minute % 60 == 0:
                 prefix = self._minutes.get(minute)
                 if prefix is not None:
+                    self._last = (head, m.start("s"), prefix)
                     return prefix + _WHOLE[sec]
         return self._utc(base + sec + (float(b"0." + frac) if frac else 0.0))
 
