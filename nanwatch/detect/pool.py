@@ -160,27 +160,30 @@ class DetectorPool:
         more = True
         index = 0
         while True:
-            # give idle workers the next streams, unless finished work is piling up
+            # keep the workers' pipes fed: a worker whose stream has no more chunks takes the
+            # next stream at once (a small file is one chunk: the worker must not wait for the
+            # caller's next turn, which may be a long commit), unless finished work is piling
+            # up (then only the first stream in order is fed)
             for w in range(n):
-                if working[w] is None and more and waiting < AHEAD_BYTES:
-                    nxt = next(todo, None)
-                    if nxt is None:
-                        more = False
-                    else:
-                        stream = working[w] = _Stream(nxt, w, index)
+                while inflight[w] < DEPTH:
+                    s = working[w]
+                    if s is None:
+                        if not more or waiting >= AHEAD_BYTES:
+                            break
+                        nxt = next(todo, None)
+                        if nxt is None:
+                            more = False
+                            break
+                        s = working[w] = _Stream(nxt, w, index)
                         index += 1
-                        order.append(stream)
-            # keep the workers' pipes fed (only the first stream's while work piles up)
-            for w in range(n):
-                s = working[w]
-                while s is not None and inflight[w] < DEPTH:
+                        order.append(s)
                     if waiting >= AHEAD_BYTES and s is not order[0]:
                         break
                     chunk = next(s.chunks, None)
                     if chunk is None:
                         s.exhausted = True
                         working[w] = None
-                        break
+                        continue
                     self._send(s, chunk)
                     inflight[w] += 1
                     owner[w].append(s)

@@ -31,6 +31,14 @@ _SHORT = re.compile(
     r"^\[?(?P<mo>[01]\d)[-/](?P<d>[0-3]\d) (?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
 )
 _SCAN = 80  # bytes of a line that may hold its timestamp
+# Line heads (bytes before a chunk rule's match) remembered with their parsed time. Ranks of
+# one run log the same iteration within the same second, so a catch-up scan sees each head
+# several times; two generations of this many keep the recent ones (a few MB at most).
+HEADS = 16384
+_MISS = object()
+# "SS.000Z" for whole seconds 0..59: a naive time without a fraction is its minute's prefix
+# and one of these
+_WHOLE = tuple(f"{s:02d}.000Z" for s in range(60))
 
 
 class TimeParser:
@@ -40,13 +48,17 @@ class TimeParser:
     catch-up scan, so the common layouts avoid ``groupdict`` and ``datetime`` formatting.
     """
 
-    __slots__ = ("_bases", "_cache", "_minutes", "default_year")
+    __slots__ = ("_bases", "_cache", "_heads", "_last", "_minutes", "_old_heads", "default_year")
 
     def __init__(self, default_year: int | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
         self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
         # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
         self._bases: dict[tuple[Any, ...], float | bool] = {}
+        self._heads: dict[bytes, str | None] = {}
+        self._old_heads: dict[bytes, str | None] = {}
+        # the last head read as a whole second: (head, where its seconds are, minute's prefix)
+        self._last: tuple[bytes, int, str] | None = None
         self.default_year = default_year or _dt.date.today().year
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
@@ -87,6 +99,36 @@ class TimeParser:
 
     def parse_bytes(self, head: bytes) -> str | None:
         """:meth:`parse` of a line's head as read (no decoding for the common ASCII case)."""
+        got: Any = self._heads.get(head, _MISS)
+        if got is _MISS:
+            got = self._old_heads.get(head, _MISS)
+            if got is _MISS:
+                got = self._next_second(head) or self._parse_bytes(head)
+            if len(self._heads) >= HEADS:
+                self._old_heads, self._heads = self._heads, {}
+            self._heads[head] = got
+        when: str | None = got
+        return when
+
+    def _next_second(self, head: bytes) -> str | None:
+        """The last whole-second head with other seconds (the next line of a log, usually).
+
+        Its layout matched at the same place: every byte but the two digits of the seconds is
+        the same, and the bytes before them are a whole date and time up to the minute, which
+        no earlier position can read past (the first ``:`` before the seconds is the minute's).
+        """
+        last = self._last
+        if last is None:
+            return None
+        text, at, prefix = last
+        if len(head) != len(text) or head[:at] != text[:at] or head[at + 2 :] != text[at + 2 :]:
+            return None
+        tens, ones = head[at], head[at + 1]
+        if not (48 <= tens <= 53 and 48 <= ones <= 57):  # 00..59
+            return None
+        return prefix + _WHOLE[(tens - 48) * 10 + ones - 48]
+
+    def _parse_bytes(self, head: bytes) -> str | None:
         if not head:
             return None
         if not head.isascii():
@@ -106,6 +148,14 @@ class TimeParser:
         sec = int(s)
         if base is False or sec >= 62:
             return None
+        if frac is None and sec < 60:
+            # a whole second of a minute that starts on a UTC minute: no arithmetic needed
+            minute = int(base)
+            if minute == base and minute % 60 == 0:
+                prefix = self._minutes.get(minute)
+                if prefix is not None:
+                    self._last = (head, m.start("s"), prefix)
+                    return prefix + _WHOLE[sec]
         return self._utc(base + sec + (float(b"0." + frac) if frac else 0.0))
 
     def _minute(self, y: int, mo: int, d: int, h: int, mi: int) -> float | bool:
