@@ -185,6 +185,39 @@ def test_orphan_timeout_carries_the_rank_it_points_at(tmp_path: Path, db: Path) 
     assert inc["hints"][0]["id"] == "collective-timeout-find-first-failure"
 
 
+def test_a_worker_that_raised_a_comm_error_is_not_the_root_of_it(tmp_path: Path, db: Path) -> None:
+    # one stdout: the NCCL error raised in the worker, then torchrun's report of its exit
+    write_lines(
+        tmp_path / "job" / "train.log",
+        [
+            "Traceback (most recent call last):",
+            '  File "train.py", line 12, in <module>',
+            "    model = DistributedDataParallel(model, device_ids=[0])",
+            "RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1275,"
+            " unhandled system error, NCCL version 2.14.3",
+            "[2026-11-30 10:00:05,120] torch.distributed.elastic.multiprocessing.api: [ERROR] "
+            "failed (exitcode: 1) local_rank: 0 (pid: 4711) of binary: /usr/bin/python3",
+        ],
+    )
+    (inc,) = scan(db, tmp_path / "job")
+    assert inc["kind"] == "comm_error" and inc["event_count"] == 2
+
+
+def test_a_killed_worker_stays_the_root_of_the_others_timeouts(tmp_path: Path, db: Path) -> None:
+    run = tmp_path / "job"
+    write_lines(
+        run / "launcher.log",
+        [
+            "[2026-11-30 10:00:00,000] torch.distributed.elastic.multiprocessing.api: [ERROR] "
+            "failed (exitcode: -9) local_rank: 3 (pid: 4711) of binary: /usr/bin/python3",
+        ],
+    )
+    for r in (4, 5):
+        write_lines(run / f"rank{r}.log", hccl_ei0002(T0, r, 3, pid=100 + r))
+    kinds = [i["kind"] for i in scan(db, run)]
+    assert kinds == ["process_failure"]
+
+
 def _train_lines(
     times: list[float], *, start: dt.datetime = T0, rank_nan_at: int | None = None
 ) -> list[str]:

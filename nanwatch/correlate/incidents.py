@@ -37,6 +37,15 @@ _ONE_PER_RUN = {"nan", "oom", "process_failure", "slowdown", "data_issue", "over
 RECOVERY_ITERATIONS = 20  # finite logged losses after the last NaN that mean "recovered"
 
 
+def _exception_exit(ev: Mapping[str, Any]) -> bool:
+    """A process failure that is an ordinary non-zero exit (an exception), not a signal."""
+    if ev["kind"] != "process_failure":
+        return False
+    f = ev.get("fields") or {}
+    code = f.get("exit_code")
+    return isinstance(code, int) and code > 0 and not f.get("signal") and not f.get("reason")
+
+
 def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
     """Group key within a run: the kind, plus the normalised message for open-ended kinds."""
     if kind in _ONE_PER_RUN:
@@ -159,6 +168,8 @@ class Correlator:
         # roots first, so their symptoms in the same batch find them
         def rank_of_kind(e: Mapping[str, Any]) -> tuple[int, int]:
             k = e["kind"]
+            if _exception_exit(e):
+                return (3, e["id"])  # after the communication errors it may follow from
             return (0 if k in ROOT_KINDS else 2 if k in SYMPTOM_KINDS else 1, e["id"])
 
         touched_runs: set[Any] = set()
@@ -169,7 +180,9 @@ class Correlator:
                     data_runs.add(ev["run_id"])
                 continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
             inc = None
-            if ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure":
+            if _exception_exit(ev):
+                inc = self._comm_incident_for(ev, accs)
+            if inc is None and (ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure"):
                 inc = self._root_for(ev, accs)
             if inc is None:
                 key = fingerprint(ev["kind"], ev["message"], ev["fields"])
@@ -210,6 +223,36 @@ class Correlator:
                 continue
             acc = accs.get(root.incident_id)
             return acc.incident if acc else self._load(root.incident_id)
+        return None
+
+    def _comm_incident_for(
+        self, ev: Mapping[str, Any], accs: Mapping[int, _Acc]
+    ) -> dict[str, Any] | None:
+        """A worker that exited with an exception after a communication error on its own rank
+        (an NCCL/HCCL error raised in it, then torchrun's report) failed because of that error:
+        its exit joins the error's incident, whatever that incident's root is."""
+
+        def same_rank(other: Mapping[str, Any]) -> bool:
+            mine = ev["rank"] if ev["rank"] is not None else ev.get("local_rank")
+            theirs = other["rank"] if other["rank"] is not None else other.get("local_rank")
+            return mine is None or theirs is None or mine == theirs
+
+        for acc in accs.values():
+            for other in acc.new_events:
+                kind, run = other["kind"], other["run_id"]
+                if kind in SYMPTOM_KINDS and run == ev["run_id"] and same_rank(other):
+                    return acc.incident
+        rows = self.store.conn.execute(
+            "SELECT incident_id, rank, local_rank FROM events WHERE run_id IS ? AND kind IN "
+            "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL ORDER BY id LIMIT 500",
+            (ev["run_id"],),
+        ).fetchall()
+        for iid, rank, local_rank in rows:
+            if same_rank({"rank": rank, "local_rank": local_rank}):
+                held = accs.get(iid)
+                inc = held.incident if held else self._load(iid)
+                if inc is not None and inc["status"] == "open":
+                    return inc
         return None
 
     def _absorb_orphans(self, run_id: Any, accs: dict[int, _Acc]) -> None:
