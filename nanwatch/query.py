@@ -79,8 +79,7 @@ def iter_events(
 _INCIDENT_SELECT = (
     "SELECT i.id, i.kind, i.title, i.status, r.name, r.experiment, i.ranks, i.first_time, "
     "i.last_time, i.event_count, i.origin, i.hints, i.severity, i.detail, i.created_at, "
-    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run, "
-    "(SELECT group_concat(DISTINCT e.node) FROM events e WHERE e.incident_id = i.id) "
+    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run "
     "FROM incidents i LEFT JOIN runs r ON r.id = i.run_id"
 )
 
@@ -108,8 +107,10 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         node,
         job,
         cluster_run,
-        nodes,
     ) = row
+    info = json.loads(detail or "{}")
+    # where its events were read: one node, or several in a merged database
+    nodes = info.get("nodes") or ([node] if node else [])
     return {
         "id": iid,
         "kind": kind,
@@ -124,7 +125,7 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         "origin": json.loads(origin or "{}"),
         "hints": json.loads(hints or "[]"),
         "severity": severity,
-        "detail": json.loads(detail or "{}"),
+        "detail": info,
         "created_at": created,
         "updated_at": updated,
         "resolved_at": resolved,
@@ -132,8 +133,7 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         "node": node,
         "job": job,
         "cluster_run": cluster_run,
-        # where its events were read: one node, or several in a merged database
-        "nodes": sorted(str(nodes).split(",")) if nodes else [],
+        "nodes": sorted(str(n) for n in nodes),
     }
 
 

@@ -383,9 +383,18 @@ class Correlator:
                     (iid,),
                 )
             }
+            nodes = {
+                n
+                for (n,) in self.store.conn.execute(
+                    "SELECT DISTINCT node FROM events WHERE incident_id = ? AND node IS NOT NULL",
+                    (iid,),
+                )
+            }
         else:
             ranks = set(inc["ranks"])
             ranks.update(e["rank"] for e in acc.new_events if e.get("rank") is not None)
+            nodes = set(inc["detail"].get("nodes") or [])
+            nodes.update(e["node"] for e in acc.new_events if e.get("node"))
             times = [t for t in (inc["first_time"], inc["last_time"]) if t]
             times += [
                 e["time"] or e["fields"].get("stream_time")
@@ -400,6 +409,7 @@ class Correlator:
         # an origin function may have written its own story into the row (the NaN one does)
         row = self.store.conn.execute("SELECT detail FROM incidents WHERE id=?", (iid,)).fetchone()
         detail = {**json.loads(row[0] or "{}"), **story.detail}
+        detail["nodes"] = sorted(nodes)  # where its events were read (several when merged)
         if inc["kind"] == "nan":
             related = samples.related(self.store.conn, inc["run_id"], origin)
             if related:
