@@ -48,6 +48,7 @@ class Message:
     blocks: Any
     thread_ts: str | None
     edits: list[dict[str, Any]] = field(default_factory=list)
+    metadata: Any = None
 
 
 class SlackServer:
@@ -62,6 +63,7 @@ class SlackServer:
         self.webhook_posts: list[dict[str, Any]] = []
         self.faults: dict[str, list[Fault]] = {}
         self.missing_channels: set[str] = set()
+        self.missing_scopes: set[str] = set()
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -204,8 +206,40 @@ class SlackServer:
         if thread and not any(m.ts == thread and m.thread_ts is None for m in self.messages):
             return {"ok": False, "error": "thread_not_found"}
         m = Message(cid, self.next_ts(), str(p.get("text") or ""), p.get("blocks"), thread)
+        meta = p.get("metadata")
+        m.metadata = json.loads(meta) if isinstance(meta, str) else meta
         self.messages.append(m)
         return {"ok": True, "channel": cid, "ts": m.ts, "message": {"text": m.text}}
+
+    def api_conversations_history(self, p: dict[str, Any]) -> dict[str, Any]:
+        ch = str(p.get("channel"))
+        if not ch.startswith("C"):
+            return {"ok": False, "error": "channel_not_found"}  # IDs only, as Slack
+        if "history" in self.missing_scopes:
+            return {"ok": False, "error": "missing_scope", "needed": "channels:history"}
+        oldest = float(p.get("oldest") or 0)
+        limit = int(p.get("limit") or 100)
+        start = int(p.get("cursor") or 0)
+        found = [
+            m
+            for m in reversed(self.messages)  # newest first
+            if m.channel == ch and m.thread_ts is None and float(m.ts) > oldest
+        ]
+        page = found[start : start + limit]
+        with_meta = str(p.get("include_all_metadata")).lower() in ("1", "true")
+        out = []
+        for m in page:
+            item: dict[str, Any] = {"type": "message", "ts": m.ts, "text": m.text}
+            if with_meta and m.metadata:
+                item["metadata"] = m.metadata
+            out.append(item)
+        more = start + limit < len(found)
+        return {
+            "ok": True,
+            "messages": out,
+            "has_more": more,
+            "response_metadata": {"next_cursor": str(start + limit) if more else ""},
+        }
 
     def api_chat_update(self, p: dict[str, Any]) -> dict[str, Any]:
         for m in self.messages:

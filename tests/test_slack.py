@@ -362,6 +362,73 @@ def test_restart_edits_the_same_message(
         again.close()
 
 
+OOM_LINE = (
+    "RuntimeError: NPU out of memory. Tried to allocate 20.00 MiB (NPU 1; 60.96 GiB total "
+    "capacity; 86.81 MiB free).\n"
+)
+
+
+def _killed_after_posting(rig: Rig, slack: SlackServer) -> None:
+    """An OOM's parent reached Slack, then the process died before its ts was stored."""
+    with open(rig.logs / "rank1.log", "a", encoding="utf-8") as f:
+        f.write(OOM_LINE)
+    rig.step()
+    before = len(slack.parents())
+    deadline = time.monotonic() + 15
+    while len(slack.parents()) == before and time.monotonic() < deadline:
+        rig.sender.deliver_due(rig.reader)
+        time.sleep(0.05)
+    rig.sender.drain_results()  # never recorded: the kill
+    assert len(slack.parents()) == before + 1
+    rig.close()
+
+
+def _first_incident(tmp_path: Path, slack: SlackServer) -> None:
+    """A NaN incident, posted and stored: the database knows the channel's ID from it."""
+    first = Rig(tmp_path, sink_for(slack))
+    first.nan(0)
+    first.step()
+    first.pump(lambda: len(slack.parents()) == 1)
+    first.close()
+
+
+def test_a_message_posted_just_before_a_kill_is_found_not_posted_again(
+    slack: SlackServer, tmp_path: Path
+) -> None:
+    _first_incident(tmp_path, slack)
+    _killed_after_posting(Rig(tmp_path, sink_for(slack)), slack)
+    nan, oom = slack.parents()
+    again = Rig(tmp_path, sink_for(slack))
+    try:
+        again.pump(lambda: again.pending() == 0)
+        assert len(slack.parents()) == 2
+        assert slack.calls_to("conversations.history")
+        stored = again.store.conn.execute("SELECT channel, ts FROM messages").fetchall()
+        assert sorted(stored) == sorted([(nan.channel, nan.ts), (oom.channel, oom.ts)])
+        with open(again.logs / "rank2.log", "a", encoding="utf-8") as f:
+            f.write(OOM_LINE.replace("NPU 1", "NPU 2"))
+        again.step()
+        again.pump(lambda: bool(oom.edits))  # the same message lives on
+        assert len(slack.parents()) == 2
+    finally:
+        again.close()
+
+
+def test_without_history_access_a_restart_posts_again_and_says_why(
+    slack: SlackServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _first_incident(tmp_path, slack)
+    slack.missing_scopes.add("history")
+    _killed_after_posting(Rig(tmp_path, sink_for(slack)), slack)
+    again = Rig(tmp_path, sink_for(slack))
+    try:
+        with caplog.at_level("WARNING", logger="nanwatch.notify.slack"):
+            again.pump(lambda: len(slack.parents()) == 3)
+        assert "channels:history" in caplog.text
+    finally:
+        again.close()
+
+
 def test_reminders_for_open_incidents(slack: SlackServer, rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(sink_for(slack, repeat_interval=0.5))
     rig.nan(0)

@@ -33,6 +33,7 @@ from ..query import incident_dict
 from .outbox import Deferred
 from .slack_api import (
     BAD_MESSAGE,
+    CHANNEL_ID,
     FIX_RETRY,
     QUIET,
     WEBHOOK_FIX,
@@ -98,6 +99,11 @@ class SlackSink:
         self._blocked: dict[str, float] = {}
         self._ids: dict[str, str] = {}
         self._lines: dict[int, str | None] = {}
+        # a first message due before this process started may have been posted by the previous
+        # one, killed before it stored the message's ts: it is looked for before posting again
+        self.started = time.time()
+        self._uid: str | None = None
+        self._history_warned = False
 
     # -- policy ----------------------------------------------------------------------------------
 
@@ -132,6 +138,12 @@ class SlackSink:
             "SELECT root_event_id FROM incidents WHERE id=?", (incident_id,)
         ).fetchone()
         inc["_first_line"] = self._first_line(conn, root[0] if root else None)
+        if self._uid is None:
+            got = conn.execute("SELECT value FROM meta WHERE key = 'uid'").fetchone()
+            self._uid = str(got[0]) if got else ""
+        inc["_db"] = self._uid
+        if row is None and self.client is not None:
+            inc["_channel_id"] = self._known_id(conn, self.route(inc))
         plot_pending = conn.execute(
             "SELECT 1 FROM outbox WHERE incident_id=? AND sink=? AND action='plot' "
             "AND delivered_at IS NULL",
@@ -142,6 +154,25 @@ class SlackSink:
 
             inc["_plot_rows"] = metrics_for(conn, inc)
         return inc
+
+    def _known_id(self, conn: sqlite3.Connection, channel: str) -> str | None:
+        """The ID of a channel configured by name: learnt in this process, or from a message
+        of another incident routed to it."""
+        if CHANNEL_ID.match(channel):
+            return channel
+        if channel in self._ids:
+            return self._ids[channel]
+        rows = conn.execute(
+            "SELECT m.channel, i.kind, i.severity, r.name FROM messages m "
+            "JOIN incidents i ON i.id = m.incident_id LEFT JOIN runs r ON r.id = i.run_id "
+            "WHERE m.sink = ? AND m.channel IS NOT NULL AND m.channel != 'webhook' "
+            "ORDER BY m.posted_at DESC LIMIT 100",
+            (self.name,),
+        ).fetchall()
+        for cid, kind, severity, run in rows:
+            if self.route({"kind": kind, "severity": severity, "run": run}) == channel:
+                return str(cid)
+        return None
 
     def _first_line(self, conn: sqlite3.Connection, event_id: int | None) -> str | None:
         if event_id is None:
@@ -194,7 +225,7 @@ class SlackSink:
                 raise Deferred("the incident's first message waits for group_wait", min(opens))
             if incident.get("status") != "open":
                 return None  # resolved or merged before it was announced: nothing to tell
-            return self._announce(incident)
+            return self._announce(incident, due=min(opens))
         if actions == {"open"}:
             return None  # already posted (a replayed row)
         immediate = any((r.get("payload") or {}).get("immediate") for r in rows)
@@ -216,7 +247,7 @@ class SlackSink:
             self._last_sent[iid] = time.time()
         return remember
 
-    def _announce(self, inc: Mapping[str, Any]) -> Mapping[str, Any]:
+    def _announce(self, inc: Mapping[str, Any], *, due: float = 0.0) -> Mapping[str, Any]:
         iid = int(inc["id"])
         text = headline(inc)
         blocks = parent_blocks(inc, first_line=inc.get("_first_line"))
@@ -225,13 +256,21 @@ class SlackSink:
             message = {"channel": "webhook"}
         else:
             channel = self.route(inc)
-            resp = self._post(
-                channel,
-                text=text,
-                blocks=blocks,
-                metadata={"event_type": "nanwatch_incident", "event_payload": {"incident": iid}},
-            )
-            channel_id, ts = str(resp["channel"]), str(resp["ts"])
+            found = self._posted_before(channel, inc, due) if due < self.started else None
+            if found is not None:
+                log.info("incident #%d: its message is already in %s (ts %s)", iid, *found)
+                channel_id, ts = found
+            else:
+                resp = self._post(
+                    channel,
+                    text=text,
+                    blocks=blocks,
+                    metadata={
+                        "event_type": "nanwatch_incident",
+                        "event_payload": {"incident": iid, "db": inc.get("_db") or ""},
+                    },
+                )
+                channel_id, ts = str(resp["channel"]), str(resp["ts"])
             message = {"channel": channel_id, "ts": ts}
             self._learn_id(channel, channel_id)
             self._posted[iid] = message
@@ -239,6 +278,56 @@ class SlackSink:
         if self.plots and self.client is not None:
             return {"message": message, "then": ["plot"]}
         return {"message": message}
+
+    def _posted_before(
+        self, channel: str, inc: Mapping[str, Any], due: float
+    ) -> tuple[str, str] | None:
+        """(channel ID, ts) of this incident's parent message if a previous process posted it
+        (``conversations.history``, by the message's metadata), else None."""
+        cid = inc.get("_channel_id")
+        if not cid:
+            return None  # a channel by name never posted to from this database: nothing to find
+        want = {"incident": int(inc["id"]), "db": inc.get("_db") or ""}
+        cursor = None
+        for _page in range(5):
+            try:
+                resp = self._call(
+                    channel,
+                    "conversations.history",
+                    self.client.conversations_history,
+                    channel=cid,
+                    oldest=f"{max(0.0, due - 60):.6f}",
+                    limit=200,
+                    include_all_metadata=True,
+                    **({"cursor": cursor} if cursor else {}),
+                )
+            except DeliveryError as e:
+                if e.retry_after is not None and e.retry_after != FIX_RETRY:
+                    raise  # rate limited: the outbox tries again later
+                if e.retry_after is None and not e.permanent:
+                    raise  # Slack unreachable: posting would fail too
+                # a scope missing for reading is no reason to stop posting to the channel
+                self._blocked.pop(self._ids.get(channel, channel), None)
+                if not self._history_warned:
+                    self._history_warned = True
+                    log.warning(
+                        "cannot read %s's history to avoid posting twice after a restart (%s); "
+                        "add the scope channels:history (groups:history for private channels)",
+                        channel,
+                        e,
+                    )
+                return None
+            for m in resp.get("messages") or []:
+                meta = m.get("metadata") or {}
+                if (
+                    meta.get("event_type") == "nanwatch_incident"
+                    and (meta.get("event_payload") or {}) == want
+                ):
+                    return str(cid), str(m["ts"])
+            cursor = (resp.get("response_metadata") or {}).get("next_cursor")
+            if not cursor:
+                return None
+        return None
 
     def _edit(
         self,
