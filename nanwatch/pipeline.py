@@ -468,10 +468,13 @@ class Pipeline:
         """Every decision about a file (a new one, a rotated copy resuming at byte N, a new
         generation after truncation, a retirement) is stored even when no bytes came with it,
         so a restart makes the same decision."""
+        # (a file still empty under a rotated name waits: it may be a copy being written)
         active = [
             rec
             for rec in self.tracker.records.values()
-            if rec.status == "active" and (rec.id is None or rec.renamed)
+            if rec.status == "active"
+            and not rec.unjudged
+            and (rec.id is None or rec.renamed or rec.resumed)
         ]
         retired = [
             rec
@@ -487,7 +490,7 @@ class Pipeline:
                         "UPDATE sources SET path = ? WHERE id = ?", (rec.path, rec.id)
                     )
                     rec.renamed = False
-                if rec.id is None:
+                if rec.id is None or rec.resumed:
                     self.store.save_source(
                         rec,
                         offset=rec.offset,
@@ -497,6 +500,7 @@ class Pipeline:
                         cutting=rec.cutting,
                         ctx=rec.state.to_json(),
                     )
+                    rec.resumed = False
             for rec in retired:
                 assert rec.id is not None
                 self.store.set_source_status(rec.id, rec.status)

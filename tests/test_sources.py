@@ -229,6 +229,31 @@ def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
         live.close()
 
 
+def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(
+    tmp_path: Path, db: Path
+) -> None:
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    text = "".join(nan_line(i) for i in range(1, 21))
+    log.write_text(text)
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        copy = d / "rank0.log.1"
+        copy.touch()  # found empty: judged when its bytes come
+        live.step()
+        copy.write_text(text)
+        with log.open("r+") as f:
+            f.truncate(0)
+        live.step()  # the copy resumes at byte len(text): nothing of it is read
+        live.restart()  # killed: no further pass, nothing else committed
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 21))
+    finally:
+        live.close()
+
+
 def test_a_new_small_rotated_file_that_is_no_copy_is_read_at_once(tmp_path: Path, db: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()

@@ -115,6 +115,7 @@ class SourceRecord:
     since: float = field(default_factory=time.monotonic)
     copy_of: SourceRecord | None = None
     unjudged: bool = False  # an empty file with a rotated name: a copy may still be written in
+    resumed: bool = False  # took its twin's offset: to be stored even though nothing was read
     fd: int | None = None
 
     @property
@@ -419,6 +420,7 @@ class Tracker:
         rec.run_id = twin.run_id
         rec.status = "active"
         rec.copy_of = None
+        rec.resumed = True
         if twin.status in ("truncated", "rotated"):
             twin.status = "copied"
         else:
