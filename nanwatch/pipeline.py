@@ -464,6 +464,18 @@ class Pipeline:
         if rec.id is not None:
             self.store.set_source_status(rec.id, status)
 
+    def _save_as_is(self, rec: SourceRecord) -> None:
+        """Store a record with its offset and state as they are in memory."""
+        self.store.save_source(
+            rec,
+            offset=rec.offset,
+            tail_hash=rec.tail_hash,
+            head_hash=rec.head_hash,
+            head_len=rec.head_len,
+            cutting=rec.cutting,
+            ctx=rec.state.to_json(),
+        )
+
     def _persist_records(self) -> None:
         """Every decision about a file (a new one, a rotated copy resuming at byte N, a new
         generation after truncation, a retirement) is stored even when no bytes came with it,
@@ -491,15 +503,7 @@ class Pipeline:
                     )
                     rec.renamed = False
                 if rec.id is None or rec.resumed:
-                    self.store.save_source(
-                        rec,
-                        offset=rec.offset,
-                        tail_hash=rec.tail_hash,
-                        head_hash=rec.head_hash,
-                        head_len=rec.head_len,
-                        cutting=rec.cutting,
-                        ctx=rec.state.to_json(),
-                    )
+                    self._save_as_is(rec)
                     rec.resumed = False
             for rec in retired:
                 assert rec.id is not None
@@ -525,15 +529,7 @@ class Pipeline:
                 rec = p.chunk.record
                 if p.chunk.final:
                     if rec.id is None:
-                        self.store.save_source(
-                            rec,
-                            offset=rec.offset,
-                            tail_hash=rec.tail_hash,
-                            head_hash=rec.head_hash,
-                            head_len=rec.head_len,
-                            cutting=rec.cutting,
-                            ctx=rec.state.to_json(),
-                        )
+                        self._save_as_is(rec)
                 else:
                     self.store.save_source(
                         rec,
