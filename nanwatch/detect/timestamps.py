@@ -80,12 +80,7 @@ class TimeParser:
             y, mo, d, h, mi, s, frac, tz = m.groups()
             if tz is None:
                 # the common case, inline: a naive local time; its minute is looked up once
-                key = (y, mo, d, h, mi)
-                base = self._bases.get(key)
-                if base is None:
-                    if len(self._bases) > 4096:
-                        self._bases.clear()
-                    base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+                base = self._base(y, mo, d, h, mi)
                 sec = int(s)
                 if base is False or sec >= 62:
                     return None
@@ -139,12 +134,7 @@ class TimeParser:
         y, mo, d, h, mi, s, frac, tz = m.groups()
         if tz is not None:
             return self.parse(head.decode("ascii"))
-        key = (y, mo, d, h, mi)
-        base = self._bases.get(key)
-        if base is None:
-            if len(self._bases) > 4096:
-                self._bases.clear()
-            base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+        base = self._base(y, mo, d, h, mi)
         sec = int(s)
         if base is False or sec >= 62:
             return None
@@ -157,6 +147,18 @@ class TimeParser:
                     self._last = (head, m.start("s"), prefix)
                     return prefix + _WHOLE[sec]
         return self._utc(base + sec + (float(b"0." + frac) if frac else 0.0))
+
+    def _base(
+        self, y: str | bytes, mo: str | bytes, d: str | bytes, h: str | bytes, mi: str | bytes
+    ) -> float | bool:
+        """Epoch seconds of a local minute given as text (False: not a valid time), cached."""
+        key = (y, mo, d, h, mi)
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) > 4096:
+                self._bases.clear()
+            base = self._bases[key] = self._minute(int(y), int(mo), int(d), int(h), int(mi))
+        return base
 
     def _minute(self, y: int, mo: int, d: int, h: int, mi: int) -> float | bool:
         """Epoch seconds of a local minute; False when it is not a valid one."""
