@@ -170,27 +170,41 @@ def test_copytruncate_rotation_reads_only_the_copy_tail(tmp_path: Path, db: Path
         live.close()
 
 
-def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
-    tmp_path: Path, db: Path
-) -> None:
+def rank0_log(tmp_path: Path, lines: int) -> tuple[Path, str]:
+    """logs/rank0.log holding NaN lines 1..lines; returns its path and text."""
     d = tmp_path / "logs"
     d.mkdir()
     log = d / "rank0.log"
-    text = "".join(nan_line(i) for i in range(1, 41))
+    text = "".join(nan_line(i) for i in range(1, lines + 1))
     log.write_text(text)
-    live = Live(db, [str(d)])
+    return log, text
+
+
+def finish_copytruncate(log: Path, copy: Path, rest: str, then: str = "") -> None:
+    """logrotate's end of a copytruncate: the copy's last bytes, the original emptied; then
+    the job writes on."""
+    with copy.open("a") as f:
+        f.write(rest)
+    with log.open("r+") as f:
+        f.truncate(0)
+    if then:
+        with log.open("a") as f:
+            f.write(then)
+
+
+def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
+    tmp_path: Path, db: Path
+) -> None:
+    log, text = rank0_log(tmp_path, 40)
+    live = Live(db, [str(log.parent)])
     try:
         live.step()
-        copy = d / "rank0.log.1"
+        copy = log.parent / "rank0.log.1"
         copy.write_text(text[: len(text) // 3])  # logrotate is still copying when we look
         live.step()
         assert len(nan_iters(db)) == 40  # nothing of the partial copy is read from byte 0
-        with copy.open("a") as f:
-            f.write(text[len(text) // 3 :] + nan_line(41))  # 41 was not yet read from the log
-        with log.open("r+") as f:
-            f.truncate(0)
-        with log.open("a") as f:
-            f.write(nan_line(42))
+        # 41 was not yet read from the log
+        finish_copytruncate(log, copy, text[len(text) // 3 :] + nan_line(41), nan_line(42))
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 43))
@@ -201,27 +215,18 @@ def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
 def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
     tmp_path: Path, db: Path
 ) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    text = "".join(nan_line(i) for i in range(1, 21))
-    log.write_text(text)
-    live = Live(db, [str(d)])
+    log, text = rank0_log(tmp_path, 20)
+    live = Live(db, [str(log.parent)])
     try:
         live.step()
-        copy = d / "rank0.log.1"
+        copy = log.parent / "rank0.log.1"
         copy.touch()  # logrotate created its copy and has not written yet
         live.step()
         with copy.open("a") as f:
             f.write(text[:100])  # then part of it
         live.step()
         assert len(nan_iters(db)) == 20
-        with copy.open("a") as f:
-            f.write(text[100:])
-        with log.open("r+") as f:
-            f.truncate(0)
-        with log.open("a") as f:
-            f.write(nan_line(21))
+        finish_copytruncate(log, copy, text[100:], nan_line(21))
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 22))
@@ -232,20 +237,14 @@ def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
 def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(
     tmp_path: Path, db: Path
 ) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    text = "".join(nan_line(i) for i in range(1, 21))
-    log.write_text(text)
-    live = Live(db, [str(d)])
+    log, text = rank0_log(tmp_path, 20)
+    live = Live(db, [str(log.parent)])
     try:
         live.step()
-        copy = d / "rank0.log.1"
+        copy = log.parent / "rank0.log.1"
         copy.touch()  # found empty: judged when its bytes come
         live.step()
-        copy.write_text(text)
-        with log.open("r+") as f:
-            f.truncate(0)
+        finish_copytruncate(log, copy, text)
         live.step()  # the copy resumes at byte len(text): nothing of it is read
         live.restart()  # killed: no further pass, nothing else committed
         live.step()
@@ -255,13 +254,11 @@ def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(
 
 
 def test_a_new_small_rotated_file_that_is_no_copy_is_read_at_once(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    (d / "rank0.log").write_text("".join(nan_line(i) for i in range(1, 21)))
-    live = Live(db, [str(d)])
+    log, _ = rank0_log(tmp_path, 20)
+    live = Live(db, [str(log.parent)])
     try:
         live.step()
-        (d / "rank0.log.1").write_text(nan_line(99))  # other bytes: not a copy in progress
+        (log.parent / "rank0.log.1").write_text(nan_line(99))  # other bytes: not a copy in progress
         live.step()
         assert ("rank0.log.1", 99) in nan_iters(db)
     finally:

@@ -273,15 +273,7 @@ class Tracker:
         rec.state.rank = rank_from_path(path, root.base)
         rec.fd = fd
         self._remember_fd(rec)
-        twin = self._copy_candidate(rec, fd, st.st_size)
-        if twin is not None:
-            if self._twin_rotated(twin):
-                self._continue_from(rec, twin)
-            elif self.live and not initial:
-                rec.status = "pending"  # may be a copytruncate copy made just before truncation
-                rec.copy_of = twin
-        elif self.live and not initial:
-            self._judge_partial(rec, fd, st.st_size)
+        self._place(rec, fd, st.st_size, wait=self.live and not initial)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         elif st.st_size > 0:
@@ -291,13 +283,23 @@ class Tracker:
         self.records[key] = rec
         return rec
 
-    def _judge_partial(self, rec: SourceRecord, fd: int, size: int) -> None:
-        """A copy still being written (logrotate copies, then truncates) waits until it holds
-        its twin's bytes, or for COPY_GRACE; an empty file is judged once it has bytes."""
-        if size == 0:
-            rec.unjudged = rotation_base(rec.path) != os.path.basename(rec.path)
+    def _place(self, rec: SourceRecord, fd: int, size: int, *, wait: bool) -> None:
+        """Is a new file (or one that just got its first bytes) a rotated copy of a followed
+        one? A copy whose twin was truncated or renamed resumes at the twin's offset. With
+        ``wait`` (live, past the first walk) a possible copy waits, up to COPY_GRACE: one made
+        just before its twin's truncation, one still being written (logrotate copies, then
+        truncates); an empty file with a rotated name is judged when its first bytes come."""
+        twin = self._copy_candidate(rec, fd, size)
+        if twin is not None and self._twin_rotated(twin):
+            self._continue_from(rec, twin)
             return
-        twin = self._copy_candidate(rec, fd, size, partial=True)
+        if not wait:
+            return
+        if twin is None:
+            if size == 0:
+                rec.unjudged = rotation_base(rec.path) != os.path.basename(rec.path)
+                return
+            twin = self._copy_candidate(rec, fd, size, partial=True)
         if twin is not None:
             rec.status = "pending"
             rec.copy_of = twin
@@ -306,29 +308,24 @@ class Tracker:
     def _judge(self, rec: SourceRecord) -> bool:
         """First bytes in a file that was empty with a rotated name: is it a copy? True when it
         is to be read now."""
-        fd = self._ensure_fd(rec)
-        if fd is None:
-            return True
-        try:
-            size = os.fstat(fd).st_size
-        except OSError:
-            return True
-        if size == 0:
+        got = self._fd_size(rec)
+        if got is None or got[1] == 0:
             return True  # nothing to read; judged when bytes come
         rec.unjudged = False
-        twin = self._copy_candidate(rec, fd, size)
-        if twin is not None:
-            if self._twin_rotated(twin):
-                self._continue_from(rec, twin)
-                return True
-            rec.status = "pending"
-            rec.copy_of = twin
-            rec.since = time.monotonic()
-        else:
-            self._judge_partial(rec, fd, size)
+        self._place(rec, *got, wait=True)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         return rec.status != "pending"
+
+    def _fd_size(self, rec: SourceRecord) -> tuple[int, int] | None:
+        """The record's descriptor and its file's size now, or None when it cannot be read."""
+        fd = self._ensure_fd(rec)
+        if fd is None:
+            return None
+        try:
+            return fd, os.fstat(fd).st_size
+        except OSError:
+            return None
 
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
@@ -435,32 +432,19 @@ class Tracker:
             if rec.status != "pending" or rec.copy_of is None:
                 continue
             twin = rec.copy_of
-            if rec.offset == 0 and not self._holds_twin(rec, twin):
-                # still being copied (or not a copy after all): wait, within the grace
-                if now - rec.since > COPY_GRACE:
-                    rec.status = "active"
-                    rec.copy_of = None
+            # a copy still being written (or no copy after all) waits, within the grace
+            got = self._fd_size(rec) if rec.offset == 0 else None
+            if rec.offset > 0 or (got is not None and _holds(*got, twin)):
+                self.check(twin)
+                if self._twin_rotated(twin):
+                    self._continue_from(rec, twin)
                     settled.append(rec)
-                continue
-            self.check(twin)
-            if self._twin_rotated(twin):
-                self._continue_from(rec, twin)
-                settled.append(rec)
-            elif now - rec.since > COPY_GRACE:
+                    continue
+            if now - rec.since > COPY_GRACE:
                 rec.status = "active"
                 rec.copy_of = None
                 settled.append(rec)
         return settled
-
-    def _holds_twin(self, rec: SourceRecord, twin: SourceRecord) -> bool:
-        fd = self._ensure_fd(rec)
-        if fd is None:
-            return False
-        try:
-            size = os.fstat(fd).st_size
-        except OSError:
-            return False
-        return _holds(fd, size, twin)
 
     # -- reading ---------------------------------------------------------------------------------
 
