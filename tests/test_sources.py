@@ -9,10 +9,12 @@ import sqlite3
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from nanwatch.config import Config
 from nanwatch.pipeline import Pipeline
 from nanwatch.sources.discover import rank_from_path, sniff_bytes
-from nanwatch.sources.tailer import rotated_name_of
+from nanwatch.sources.tailer import SourceRecord, rotated_name_of
 from nanwatch.store import Store
 
 
@@ -230,6 +232,84 @@ def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 22))
+    finally:
+        live.close()
+
+
+def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
+    tmp_path: Path, db: Path
+) -> None:
+    log, text = rank0_log(tmp_path, 20)
+    live = Live(db, [str(log.parent)])
+    try:
+        live.step()
+        copy = log.parent / "rank0.log.1"
+        copy.touch()  # logrotate created its copy
+        live.step()
+        tracker = live.pipe.tracker
+        looked = tracker._fd_size
+
+        def look_then_logrotate_copies(rec: SourceRecord) -> tuple[int, int] | None:
+            got = looked(rec)  # the copy is still empty when the tracker looks...
+            if rec.path == str(copy) and got is not None and got[1] == 0:
+                finish_copytruncate(log, copy, text)  # ...and filled right after
+            return got
+
+        tracker._fd_size = look_then_logrotate_copies  # type: ignore[method-assign]
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 21))
+    finally:
+        live.close()
+
+
+def test_a_copy_half_written_when_nanwatch_restarts_is_not_read_from_zero(
+    tmp_path: Path, db: Path
+) -> None:
+    log, text = rank0_log(tmp_path, 40)
+    live = Live(db, [str(log.parent)])
+    try:
+        live.step()
+        copy = log.parent / "rank0.log.1"
+        copy.write_text(text[: len(text) // 2])  # logrotate copies while nanwatch restarts
+        live.restart()
+        live.step()
+        assert len(nan_iters(db)) == 40
+        finish_copytruncate(log, copy, text[len(text) // 2 :], nan_line(41))
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 42))
+    finally:
+        live.close()
+
+
+def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
+    tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, old = rank0_log(tmp_path, 30)
+    d = log.parent
+    live = Live(db, [str(d)])
+    try:
+        live.step()
+        os.rename(log, d / "rank0.log.1")  # an earlier rotation (create)
+        text = "".join(nan_line(i) for i in range(31, 50))
+        log.write_text(text)
+        live.step()
+        # copytruncate: .1 -> .2, then the copy, caught after bytes both files start with
+        os.rename(d / "rank0.log.1", d / "rank0.log.2")
+        live.step()
+        copy = d / "rank0.log.1"
+        copy.write_text(text[:20])
+        assert old[:20] == text[:20]
+        live.step()
+        pending = [r for r in live.pipe.tracker.records.values() if r.path == str(copy)]
+        assert [r.status for r in pending] == ["pending"]
+        finish_copytruncate(log, copy, text[20:], nan_line(50))
+        # no grace left: only recognising the copy's real twin keeps it from byte 0
+        monkeypatch.setattr("nanwatch.sources.tailer.COPY_GRACE", 0.0)
+        live.step()
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 51))
     finally:
         live.close()
 

@@ -179,7 +179,6 @@ class Tracker:
                 self.records[rec.key] = rec
             else:
                 self.retired.append(rec)
-        self._first = True
 
     # -- discovery -------------------------------------------------------------------------------
 
@@ -193,8 +192,6 @@ class Tracker:
         """Walk every root; start records for new files; notice renames, truncations, deletions."""
         seen: set[tuple[int, int]] = set()
         new: list[SourceRecord] = []
-        initial = self._first
-        self._first = False
         for root in self.roots:
             for path in walk(root):
                 try:
@@ -224,7 +221,7 @@ class Tracker:
                     continue
                 if key in self.ignored:
                     continue
-                created = self._new_file(root, path, st, initial)
+                created = self._new_file(root, path, st)
                 if created is not None:
                     new.append(created)
         # Records whose inode is no longer under any root: drain what is left, then retire.
@@ -236,9 +233,7 @@ class Tracker:
             self._retire(rec, "gone")
         return new
 
-    def _new_file(
-        self, root: Root, path: str, st: os.stat_result, initial: bool
-    ) -> SourceRecord | None:
+    def _new_file(self, root: Root, path: str, st: os.stat_result) -> SourceRecord | None:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except PermissionError:
@@ -251,6 +246,8 @@ class Tracker:
             return None
         try:
             head = os.pread(fd, 4096, 0)
+            # the size now, not the walk's: a copy being written grows between the two
+            size = os.fstat(fd).st_size
         except OSError:
             os.close(fd)
             return None
@@ -267,16 +264,16 @@ class Tracker:
             root=root,
             dev=st.st_dev,
             ino=st.st_ino,
-            size=st.st_size,
+            size=size,
             gen=self._gen(st.st_dev, st.st_ino),
         )
         rec.state.rank = rank_from_path(path, root.base)
         rec.fd = fd
         self._remember_fd(rec)
-        self._place(rec, fd, st.st_size, wait=self.live and not initial)
+        self._place(rec, fd, size, wait=self.live)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
-        elif st.st_size > 0:
+        elif size > 0:
             # an empty file (stdout opened before the job starts) is placed once it has bytes:
             # by then the launch folder it belongs to usually exists
             rec.run_id = self.assign_run(root, path)
@@ -286,9 +283,10 @@ class Tracker:
     def _place(self, rec: SourceRecord, fd: int, size: int, *, wait: bool) -> None:
         """Is a new file (or one that just got its first bytes) a rotated copy of a followed
         one? A copy whose twin was truncated or renamed resumes at the twin's offset. With
-        ``wait`` (live, past the first walk) a possible copy waits, up to COPY_GRACE: one made
-        just before its twin's truncation, one still being written (logrotate copies, then
-        truncates); an empty file with a rotated name is judged when its first bytes come."""
+        ``wait`` (live, a restart's first walk included) a possible copy waits, up to
+        COPY_GRACE: one made just before its twin's truncation, one still being written
+        (logrotate copies, then truncates); an empty file with a rotated name is judged when
+        its first bytes come."""
         twin = self._copy_candidate(rec, fd, size)
         if twin is not None and self._twin_rotated(twin):
             self._continue_from(rec, twin)
@@ -310,7 +308,9 @@ class Tracker:
         is to be read now."""
         got = self._fd_size(rec)
         if got is None or got[1] == 0:
-            return True  # nothing to read; judged when bytes come
+            # nothing to read; judged when bytes come. Not read now: bytes a copy writes just
+            # after this look would be read from byte 0
+            return False
         rec.unjudged = False
         self._place(rec, *got, wait=True)
         if rec.copy_of is not None:
@@ -434,6 +434,11 @@ class Tracker:
             twin = rec.copy_of
             # a copy still being written (or no copy after all) waits, within the grace
             got = self._fd_size(rec) if rec.offset == 0 else None
+            if got is not None and not _holds(*got, twin):
+                # complete now, it may hold another generation's bytes than the one whose
+                # start it shared while it was short
+                twin = self._copy_candidate(rec, *got) or twin
+                rec.copy_of = twin
             if rec.offset > 0 or (got is not None and _holds(*got, twin)):
                 self.check(twin)
                 if self._twin_rotated(twin):
