@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TZ", "UTC")
     time.tzset()
+    # nanwatch's processes may cache bytecode even where this environment forbids it: an
+    # installed wheel's modules are compiled at install time, so compiling them at every start
+    # would measure a set-up nanwatch does not run in
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     wanted = [s.strip() for s in args.only.split(",") if s.strip()] or list(SECTIONS)
     unknown = [s for s in wanted if s not in SECTIONS]
     if unknown:
