@@ -14,7 +14,7 @@ import pytest
 from nanwatch.config import Config
 from nanwatch.pipeline import Pipeline
 from nanwatch.sources.discover import rank_from_path, sniff_bytes
-from nanwatch.sources.tailer import SourceRecord, rotated_name_of
+from nanwatch.sources.records import SourceRecord, rotated_name_of
 from nanwatch.store import Store
 
 
@@ -306,7 +306,7 @@ def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
         assert [r.status for r in pending] == ["pending"]
         finish_copytruncate(log, copy, text[20:], nan_line(50))
         # no grace left: only recognising the copy's real twin keeps it from byte 0
-        monkeypatch.setattr("nanwatch.sources.tailer.COPY_GRACE", 0.0)
+        monkeypatch.setattr("nanwatch.sources.copies.COPY_GRACE", 0.0)
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 51))

@@ -1,7 +1,8 @@
 """Stage 1: sources. Find files, tell them apart (identity), read their complete new lines."""
 
 from .discover import Root, is_text_file, make_roots, rank_from_path, walk
-from .tailer import Chunk, SourceRecord, Tracker
+from .records import Chunk, SourceRecord
+from .tailer import Tracker
 
 __all__ = [
     "Chunk",

@@ -2,144 +2,30 @@
 
 Identity is not the path (ARCHITECTURE.md, invariant 3): a record is one generation of one
 inode. A file found smaller than its committed offset, or whose bytes just before the offset
-changed, starts a new generation from 0. A file that appears while a known one was just
-truncated or renamed, and holds that file's bytes before its committed offset, is its rotated
-copy (logrotate ``copytruncate``): reading resumes there instead of from 0. Files that already
-lived side by side are never copies of each other, even with identical bytes.
+changed, starts a new generation from 0. Rotated copies are judged in ``copies``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 from ..stream import StreamState
+from .copies import CopyJudge
 from .discover import Root, rank_from_path, sniff_bytes, walk
+from .records import HEAD, TAIL, Chunk, SourceRecord, digest
 
 log = logging.getLogger("nanwatch.sources")
 
-HEAD = 1024  # bytes hashed for the head checksum
-TAIL = 256  # bytes before the committed offset checked before every read
 MAX_LINE = 1 << 20  # a longer line is cut to this many bytes and counted
 READ_CHUNK = 4 << 20
-COPY_GRACE = 10.0  # seconds a new file may wait for its twin's truncation
-PREFIX_CHECK = 64 << 10  # bytes compared at each end of a copy caught while being written
 MAX_OPEN = 512
 
 
-# logrotate names: name.1, name.1.gz, name-20261130, name-2026113012, name.20261130
-_ROTATED_SUFFIX = re.compile(
-    r"^(?:[.-]\d{1,10}|[.-]\d{8}(?:[-_]?\d{2,6})?)(?:\.gz|\.bz2|\.xz|\.zst)?$"
-)
-
-
-_TRAILING_ROTATION = re.compile(
-    r"(?:[.-]\d{1,10}|[.-]\d{8}(?:[-_]?\d{2,6})?)(?:\.gz|\.bz2|\.xz|\.zst)?$"
-)
-
-
-def rotation_base(name: str) -> str:
-    """rank0.log.2.gz -> rank0.log; rank0.log-20261130 -> rank0.log; rank0.log -> rank0.log."""
-    base = os.path.basename(name)
-    stripped = _TRAILING_ROTATION.sub("", base)
-    return stripped or base
-
-
-def rotated_name_of(candidate: str, original: str) -> bool:
-    """Is ``candidate`` a rotated sibling of ``original`` (rank0.log, rank0.log.1, .2, ...)?
-
-    Compared by base name, because the original may itself have been rotated meanwhile."""
-    a, b = os.path.basename(candidate), os.path.basename(original)
-    if a == b:
-        return False
-    base = rotation_base(b)
-    if not a.startswith(base) or not _ROTATED_SUFFIX.match(a[len(base) :]):
-        return False
-    return b == base or bool(_ROTATED_SUFFIX.match(b[len(base) :]))
-
-
-def _head_matches(fd: int, other: SourceRecord) -> bool:
-    """Does the file behind ``fd`` start with the bytes ``other`` hashed as its head?"""
-    try:
-        head = os.pread(fd, other.head_len, 0)
-    except OSError:
-        return False
-    return _digest(head) == other.head_hash
-
-
-def _holds(fd: int, size: int, other: SourceRecord) -> bool:
-    """Does the file behind ``fd`` hold ``other``'s bytes before its committed offset?"""
-    if size < other.offset or other.tail_hash is None:
-        return False
-    if other.head_hash is not None and not _head_matches(fd, other):
-        return False
-    lo = max(0, other.offset - TAIL)
-    try:
-        tail = os.pread(fd, other.offset - lo, lo)
-    except OSError:
-        return False
-    return _digest(tail) == other.tail_hash
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-@dataclass
-class SourceRecord:
-    """One generation of one file. ``id`` is its row in the store once committed."""
-
-    path: str
-    root: Root
-    dev: int
-    ino: int
-    run_id: int | None = None
-    id: int | None = None
-    gen: int = 0
-    offset: int = 0
-    head_hash: str | None = None
-    head_len: int = 0
-    tail_hash: str | None = None
-    size: int = 0
-    status: str = "active"  # active | pending | rotated | truncated | gone | unreadable
-    state: StreamState = field(default_factory=StreamState)
-    cutting: bool = False  # inside an over-long line whose rest is being skipped
-    renamed: bool = False  # its path changed since the store last saw it
-    lines_cut: int = 0
-    since: float = field(default_factory=time.monotonic)
-    copy_of: SourceRecord | None = None
-    unjudged: bool = False  # an empty file with a rotated name: a copy may still be written in
-    resumed: bool = False  # took its twin's offset: to be stored even though nothing was read
-    fd: int | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.dev, self.ino)
-
-
-@dataclass
-class Chunk:
-    """Complete lines read from one record, with the offset to commit once they are processed."""
-
-    record: SourceRecord
-    data: bytes
-    start: int  # offset of data[0]
-    end: int  # offset to commit (after skipped bytes of a cut line)
-    tail_hash: str | None
-    head_hash: str | None
-    head_len: int
-    cutting: bool
-    cut: int = 0  # lines cut in this chunk
-    final: bool = False  # an unterminated last line given for processing only (scan)
-
-
-class Tracker:
+class Tracker(CopyJudge):
     """Keeps the records of every followed file and reads what is new in them."""
 
     def __init__(
@@ -280,53 +166,6 @@ class Tracker:
         self.records[key] = rec
         return rec
 
-    def _place(self, rec: SourceRecord, fd: int, size: int, *, wait: bool) -> None:
-        """Is a new file (or one that just got its first bytes) a rotated copy of a followed
-        one? A copy whose twin was truncated or renamed resumes at the twin's offset. With
-        ``wait`` (live, a restart's first walk included) a possible copy waits, up to
-        COPY_GRACE: one made just before its twin's truncation, one still being written
-        (logrotate copies, then truncates); an empty file with a rotated name is judged when
-        its first bytes come."""
-        twin = self._copy_candidate(rec, fd, size)
-        if twin is not None and self._twin_rotated(twin):
-            self._continue_from(rec, twin)
-            return
-        if not wait:
-            return
-        if twin is None:
-            if size == 0:
-                rec.unjudged = rotation_base(rec.path) != os.path.basename(rec.path)
-                return
-            twin = self._copy_candidate(rec, fd, size, partial=True)
-        if twin is not None:
-            rec.status = "pending"
-            rec.copy_of = twin
-            rec.since = time.monotonic()
-
-    def _judge(self, rec: SourceRecord) -> bool:
-        """First bytes in a file that was empty with a rotated name: is it a copy? True when it
-        is to be read now."""
-        got = self._fd_size(rec)
-        if got is None or got[1] == 0:
-            # nothing to read; judged when bytes come. Not read now: bytes a copy writes just
-            # after this look would be read from byte 0
-            return False
-        rec.unjudged = False
-        self._place(rec, *got, wait=True)
-        if rec.copy_of is not None:
-            rec.run_id = rec.copy_of.run_id
-        return rec.status != "pending"
-
-    def _fd_size(self, rec: SourceRecord) -> tuple[int, int] | None:
-        """The record's descriptor and its file's size now, or None when it cannot be read."""
-        fd = self._ensure_fd(rec)
-        if fd is None:
-            return None
-        try:
-            return fd, os.fstat(fd).st_size
-        except OSError:
-            return None
-
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
         if rec.offset <= 0 or rec.tail_hash is None:
@@ -340,7 +179,7 @@ class Tracker:
                 tail = f.read(rec.offset - lo)
         except OSError:
             return False
-        return len(tail) == rec.offset - lo and _digest(tail) == rec.tail_hash
+        return len(tail) == rec.offset - lo and digest(tail) == rec.tail_hash
 
     def _gen(self, dev: int, ino: int, at_least: int = 0) -> int:
         # records are keyed by identity: one lookup there, the (short) retired list walked
@@ -349,107 +188,6 @@ class Tracker:
         if current is not None:
             used.append(current.gen + 1)
         return max([at_least, self.next_gen(dev, ino), *used])
-
-    def _copy_candidate(
-        self, rec: SourceRecord, fd: int, size: int, *, partial: bool = False
-    ) -> SourceRecord | None:
-        """A known generation in the same folder whose bytes before its offset this file holds.
-
-        With ``partial``, a file shorter than that offset which starts like the generation
-        (as far as its bytes go) is a candidate too: a copy caught while it is written."""
-        if rotation_base(rec.path) == os.path.basename(rec.path):
-            return None  # only a name with a rotation suffix (.1, -20261130) can be a copy
-        folder = os.path.dirname(rec.path)
-        pool = [*self.records.values(), *self.retired]
-        for other in pool:
-            if other is rec or other.offset <= 0 or other.tail_hash is None:
-                continue
-            if os.path.dirname(other.path) != folder or (size < other.offset) != partial:
-                continue
-            if not rotated_name_of(rec.path, other.path):
-                continue  # side-by-side files (rank0.log, rank6.log) share banners, not identity
-            if partial:
-                if other.status == "active" and self._prefix_of(fd, size, other):
-                    return other
-                continue
-            if _holds(fd, size, other):
-                return other
-        return None
-
-    def _prefix_of(self, fd: int, size: int, other: SourceRecord) -> bool:
-        """Are the ``size`` bytes behind ``fd`` (their first and last 64 KiB) the start of
-        ``other``'s file as it is now?"""
-        theirs = self._ensure_fd(other)
-        if theirs is None or size <= 0:
-            return False
-        spans = [(0, min(size, PREFIX_CHECK))]
-        if size > PREFIX_CHECK:
-            spans.append((max(PREFIX_CHECK, size - PREFIX_CHECK), size))
-        try:
-            return all(
-                os.pread(fd, hi - lo, lo) == os.pread(theirs, hi - lo, lo) for lo, hi in spans
-            )
-        except OSError:
-            return False
-
-    def _twin_rotated(self, twin: SourceRecord) -> bool:
-        """Was ``twin`` just truncated or renamed away (so a copy of it is its rotation)?"""
-        if twin.status in ("truncated", "rotated"):
-            return True
-        try:
-            st = os.stat(twin.path)
-        except OSError:
-            return twin.fd is not None  # renamed out of sight while we still hold it
-        if (st.st_dev, st.st_ino) != twin.key:
-            return True
-        # truncated, or truncated and regrown with other bytes (e.g. while nanwatch was stopped)
-        return self.check(twin) in ("truncated", "replaced")
-
-    def _continue_from(self, rec: SourceRecord, twin: SourceRecord) -> None:
-        log.info("%s: rotated copy of %s; reading from byte %d", rec.path, twin.path, twin.offset)
-        self.counters["rotations"] += 1
-        rec.offset = twin.offset
-        rec.tail_hash = twin.tail_hash
-        rec.head_hash = twin.head_hash
-        rec.head_len = twin.head_len
-        rec.state = StreamState.from_json(twin.state.to_json())
-        rec.cutting = twin.cutting
-        rec.run_id = twin.run_id
-        rec.status = "active"
-        rec.copy_of = None
-        rec.resumed = True
-        if twin.status in ("truncated", "rotated"):
-            twin.status = "copied"
-        else:
-            # the twin still shows the old bytes: it will be found truncated on its next check
-            twin.status = "copied-pending"
-
-    def settle_pending(self) -> list[SourceRecord]:
-        """Decide files that waited to learn whether they are rotated copies; return them."""
-        now = time.monotonic()
-        settled = []
-        for rec in list(self.records.values()):
-            if rec.status != "pending" or rec.copy_of is None:
-                continue
-            twin = rec.copy_of
-            # a copy still being written (or no copy after all) waits, within the grace
-            got = self._fd_size(rec) if rec.offset == 0 else None
-            if got is not None and not _holds(*got, twin):
-                # complete now, it may hold another generation's bytes than the one whose
-                # start it shared while it was short
-                twin = self._copy_candidate(rec, *got) or twin
-                rec.copy_of = twin
-            if rec.offset > 0 or (got is not None and _holds(*got, twin)):
-                self.check(twin)
-                if self._twin_rotated(twin):
-                    self._continue_from(rec, twin)
-                    settled.append(rec)
-                    continue
-            if now - rec.since > COPY_GRACE:
-                rec.status = "active"
-                rec.copy_of = None
-                settled.append(rec)
-        return settled
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -523,7 +261,7 @@ class Tracker:
                 tail = os.pread(fd, rec.offset - lo, lo)
             except OSError:
                 return "gone"
-            if _digest(tail) != rec.tail_hash:
+            if digest(tail) != rec.tail_hash:
                 return "replaced"
         return "ok"
 
@@ -664,7 +402,7 @@ class Tracker:
             head = os.pread(fd, HEAD, 0)
         except OSError:
             return None, 0
-        return _digest(head), len(head)
+        return digest(head), len(head)
 
     def _chunk(
         self,
@@ -681,7 +419,7 @@ class Tracker:
         if end > 0 and rec.fd is not None:
             lo = max(0, end - TAIL)
             try:
-                tail_hash = _digest(os.pread(rec.fd, end - lo, lo))
+                tail_hash = digest(os.pread(rec.fd, end - lo, lo))
             except OSError:
                 tail_hash = None
         return Chunk(rec, data, start, end, tail_hash, head_hash, head_len, cutting, cut)
