@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import nanwatch.pipeline as pipeline_module
+import nanwatch.passes as passes_module
 from nanwatch.config import Config
 from nanwatch.detect.pool import usable_workers
 from nanwatch.pipeline import Pipeline
@@ -60,15 +60,15 @@ def test_parallel_scan_stores_what_a_serial_scan_stores(
     serial = scan(tmp_path / "serial.db", base)
     # every text file to the workers
     monkeypatch.setenv("NANWATCH_SCAN_WORKERS", "2")
-    monkeypatch.setattr(pipeline_module, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(passes_module, "POOL_MIN_BYTES", 0)
     used: list[int] = []
-    real = pipeline_module.DetectorPool
+    real = passes_module.DetectorPool
 
     def pool(detector: Any, workers: int) -> Any:
         used.append(workers)
         return real(detector, workers)
 
-    monkeypatch.setattr(pipeline_module, "DetectorPool", pool)
+    monkeypatch.setattr(passes_module, "DetectorPool", pool)
     parallel = scan(tmp_path / "parallel.db", base)
     assert used == [2]
     assert serial["events"] and serial["metrics"] and serial["incidents"]
