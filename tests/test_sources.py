@@ -7,6 +7,8 @@ import os
 import shutil
 import sqlite3
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,18 @@ def rank0_log(tmp_path: Path, lines: int) -> tuple[Path, str]:
     return log, text
 
 
+@contextmanager
+def following_rank0(tmp_path: Path, db: Path, lines: int) -> Iterator[tuple[Live, Path, str]]:
+    """A live pipeline that has read logs/rank0.log (NaN lines 1..lines) once."""
+    log, text = rank0_log(tmp_path, lines)
+    live = Live(db, [str(log.parent)])
+    try:
+        live.step()
+        yield live, log, text
+    finally:
+        live.close()
+
+
 def finish_copytruncate(log: Path, copy: Path, rest: str, then: str = "") -> None:
     """logrotate's end of a copytruncate: the copy's last bytes, the original emptied; then
     the job writes on."""
@@ -197,10 +211,7 @@ def finish_copytruncate(log: Path, copy: Path, rest: str, then: str = "") -> Non
 def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
     tmp_path: Path, db: Path
 ) -> None:
-    log, text = rank0_log(tmp_path, 40)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 40) as (live, log, text):
         copy = log.parent / "rank0.log.1"
         copy.write_text(text[: len(text) // 3])  # logrotate is still copying when we look
         live.step()
@@ -210,17 +221,12 @@ def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 43))
-    finally:
-        live.close()
 
 
 def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
     tmp_path: Path, db: Path
 ) -> None:
-    log, text = rank0_log(tmp_path, 20)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 20) as (live, log, text):
         copy = log.parent / "rank0.log.1"
         copy.touch()  # logrotate created its copy and has not written yet
         live.step()
@@ -232,17 +238,12 @@ def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 22))
-    finally:
-        live.close()
 
 
 def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
     tmp_path: Path, db: Path
 ) -> None:
-    log, text = rank0_log(tmp_path, 20)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 20) as (live, log, text):
         copy = log.parent / "rank0.log.1"
         copy.touch()  # logrotate created its copy
         live.step()
@@ -259,17 +260,12 @@ def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 21))
-    finally:
-        live.close()
 
 
 def test_a_copy_half_written_when_nanwatch_restarts_is_not_read_from_zero(
     tmp_path: Path, db: Path
 ) -> None:
-    log, text = rank0_log(tmp_path, 40)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 40) as (live, log, text):
         copy = log.parent / "rank0.log.1"
         copy.write_text(text[: len(text) // 2])  # logrotate copies while nanwatch restarts
         live.restart()
@@ -279,18 +275,13 @@ def test_a_copy_half_written_when_nanwatch_restarts_is_not_read_from_zero(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 42))
-    finally:
-        live.close()
 
 
 def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
     tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    log, old = rank0_log(tmp_path, 30)
-    d = log.parent
-    live = Live(db, [str(d)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 30) as (live, log, old):
+        d = log.parent
         os.rename(log, d / "rank0.log.1")  # an earlier rotation (create)
         text = "".join(nan_line(i) for i in range(31, 50))
         log.write_text(text)
@@ -310,17 +301,12 @@ def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
         live.step()
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 51))
-    finally:
-        live.close()
 
 
 def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(
     tmp_path: Path, db: Path
 ) -> None:
-    log, text = rank0_log(tmp_path, 20)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 20) as (live, log, text):
         copy = log.parent / "rank0.log.1"
         copy.touch()  # found empty: judged when its bytes come
         live.step()
@@ -329,20 +315,13 @@ def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(
         live.restart()  # killed: no further pass, nothing else committed
         live.step()
         assert sorted(i for _, i in nan_iters(db)) == list(range(1, 21))
-    finally:
-        live.close()
 
 
 def test_a_new_small_rotated_file_that_is_no_copy_is_read_at_once(tmp_path: Path, db: Path) -> None:
-    log, _ = rank0_log(tmp_path, 20)
-    live = Live(db, [str(log.parent)])
-    try:
-        live.step()
+    with following_rank0(tmp_path, db, 20) as (live, log, _):
         (log.parent / "rank0.log.1").write_text(nan_line(99))  # other bytes: not a copy in progress
         live.step()
         assert ("rank0.log.1", 99) in nan_iters(db)
-    finally:
-        live.close()
 
 
 def test_side_by_side_identical_files_are_both_read(tmp_path: Path, db: Path) -> None:
