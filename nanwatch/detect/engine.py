@@ -4,11 +4,8 @@ The hot path works on whole chunks of bytes: chunk rules (iteration lines that o
 step) run with one ``finditer`` over the chunk, and one literal prefilter finds the few other
 lines worth a closer look. Lines that match neither cost nothing but a newline count.
 
-A failure is usually reported over several lines (a traceback, an HCCL error block, a watchdog
-message and its follow-ups). Detections of one report become one event (see ``_report``): the
-first line gives its position, the highest-priority line its kind and message, every line its
-missing attributes and fields. Reports are tracked per rank in the stream state, so a report
-split over two chunks is still one event.
+The compiled rule set (prefilter, chunk plans) is in ``compiled``; detections of one failure
+report (a traceback, an HCCL error block) become one event in ``reports``.
 """
 
 from __future__ import annotations
@@ -17,16 +14,17 @@ import dataclasses
 import re
 import signal as _signal
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import DEVICES, Event, Metric
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
+from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
+from .facts import rule_facts
+from .reports import BLOCK_LINES, Feed, report
 from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
 from .timestamps import TimeParser
 
-_NAMED = re.compile(r"\(\?P<\w+>")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # A line that starts a record of its own, never the wrapped tail of the line before it.
 _NEW_RECORD = re.compile(
@@ -36,14 +34,8 @@ _NEW_RECORD = re.compile(
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
-BLOCK_LINES = 40  # lines within which detections of one family are one failure report
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
-_FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
-# stream state a context rule may set, in the order ``_set_state`` applies them
-_STATE_KEYS = ("stage", "epoch", "iter", "iters", "step", "rank", "local_rank", "node", "device")
-_STATE_INTS = frozenset(("epoch", "iter", "iters", "step", "rank", "local_rank"))
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
-_MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
 MEMORY_PRIORITY = -100  # a companion memory summary never outranks a rule's detection
 
@@ -70,239 +62,13 @@ def _device(value: Any) -> str | None:
     return v if v in DEVICES else None
 
 
-class _Compiled:
-    """Per-RuleSet precomputation shared by every stream.
-
-    Every rule's literals go into one Aho-Corasick automaton (``ahocorasick_rs``, hundreds of
-    MB/s whatever the number of literals); a line none of them occurs in is never looked at.
-    Without the package a regex alternation does the same job, much more slowly.
-    """
-
-    def __init__(self, rules: RuleSet, *, automaton: bool = True) -> None:
-        self.rules = rules
-        self.chunk_rules = [r for r in rules.rules if r.chunk]
-        self.line_rules = [r for r in rules.rules if not r.chunk]
-        lits = sorted({lit.encode("utf-8") for r in rules.rules for lit in r.literals})
-        self.literals = lits
-        # literal index -> (does a line rule use it, the chunk rules that use it)
-        self.lit_line = [any(lit.decode() in r.literals for r in self.line_rules) for lit in lits]
-        self.lit_chunk = [
-            frozenset(i for i, r in enumerate(self.chunk_rules) if lit.decode() in r.literals)
-            for lit in lits
-        ]
-        self.chunk_plans = [_ChunkPlan(r) for r in self.chunk_rules]
-        self._union: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
-        self._plans: dict[frozenset[int], tuple[_ChunkPlan, ...]] = {}
-        self.ac: Any = None
-        self.prefilter: Any = None
-        if automaton and lits:
-            try:
-                import ahocorasick_rs
-
-                # a DFA: ~1.5x the default NFA's speed on log text, for ~1 MB of tables
-                self.ac = ahocorasick_rs.BytesAhoCorasick(
-                    lits, implementation=ahocorasick_rs.Implementation.DFA
-                )
-            except ImportError:  # pragma: no cover - a platform without the wheel
-                self.ac = None
-        if self.ac is None and lits:
-            by_len = sorted(lits, key=len, reverse=True)
-            self.prefilter = re.compile(b"|".join(re.escape(lit) for lit in by_len))
-            self.lit_index = {lit: i for i, lit in enumerate(lits)}
-        self.context_rules = [r for r in self.line_rules if r.type == "context"]
-        # first match wins: higher priority first, load order (site packs first) among equals
-        self.event_rules = sorted(
-            (r for r in self.line_rules if r.type == "event"), key=lambda r: -r.priority
-        )
-        # literal index -> positions of the rules that use it (a line only tries those)
-        self.lit_ctx = [
-            tuple(i for i, r in enumerate(self.context_rules) if lit.decode() in r.literals)
-            for lit in lits
-        ]
-        self.lit_ev = [
-            tuple(i for i, r in enumerate(self.event_rules) if lit.decode() in r.literals)
-            for lit in lits
-        ]
-        # One cheap bytes check tells whether a chunk-rule line carries a prefix at all.
-        alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in rules.prefixes]
-        self.any_prefix: Any = None
-        if alts:
-            raw = ("(?:" + "|".join(f"(?:{a})" for a in alts) + ")").encode("utf-8")
-            try:
-                self.any_prefix = re.compile(raw)
-            except re.error:
-                import regex
-
-                self.any_prefix = regex.compile(raw, regex.V0)
-
-    def _found(self, chunk: bytes) -> list[tuple[int, int, int]]:
-        """(literal index, start, end) of every literal occurrence, overlapping ones included."""
-        if self.ac is not None:
-            found: list[tuple[int, int, int]] = self.ac.find_matches_as_indexes(
-                chunk, overlapping=True
-            )
-            return found
-        found = []
-        if self.prefilter is not None:
-            # overlapping occurrences are found by restarting one byte after each hit
-            pos = 0
-            while True:
-                m = self.prefilter.search(chunk, pos)
-                if m is None:
-                    break
-                found.append((self.lit_index[m.group()], m.start(), m.end()))
-                pos = m.start() + 1
-        return found
-
-    def lines(self, chunk: bytes) -> dict[int, list[Any]]:
-        """The lines worth a look: start -> [end, literals of line rules it holds (or None),
-        the chunk rules whose literals it holds (or None)]."""
-        out: dict[int, list[Any]] = {}
-        lit_line, lit_chunk, union = self.lit_line, self.lit_chunk, self._union
-        line_start = line_end = -1
-        entry: list[Any] = []
-        for idx, s, _ in self._found(chunk):
-            if not line_start <= s < line_end:
-                line_start = chunk.rfind(b"\n", 0, s) + 1
-                line_end = chunk.find(b"\n", s)
-                if line_end < 0:
-                    line_end = len(chunk)
-                got = out.get(line_start)
-                if got is None:
-                    got = out[line_start] = [line_end, None, None]
-                entry = got
-            if lit_line[idx]:
-                if entry[1] is None:
-                    entry[1] = {idx}
-                else:
-                    entry[1].add(idx)
-            rules = lit_chunk[idx]
-            if rules:
-                # the rule sets are shared frozensets: their unions are kept, never mutated
-                old = entry[2]
-                if old is None or old == rules:
-                    entry[2] = rules
-                else:
-                    both = union.get((old, rules))
-                    if both is None:
-                        both = union[(old, rules)] = old | rules
-                    entry[2] = both
-        return out
-
-    def scan(self, chunk: bytes) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
-        """Starts of the lines worth a look: for line rules, and per chunk rule."""
-        candidates: dict[int, set[int]] = {}
-        chunk_hits: dict[int, set[int]] = {}
-        for start, (_, lits, rules) in self.lines(chunk).items():
-            if lits is not None:
-                candidates[start] = lits
-            if rules is not None:
-                chunk_hits[start] = set(rules)
-        return candidates, chunk_hits
-
-    def plans(self, rules: frozenset[int]) -> tuple[_ChunkPlan, ...]:
-        """The chunk rules of a set of indexes, in rule order."""
-        got = self._plans.get(rules)
-        if got is None:
-            got = self._plans[rules] = tuple(self.chunk_plans[i] for i in sorted(rules))
-        return got
-
-
-class _ChunkPlan:
-    """What applying one chunk rule to a match needs, worked out once per rule.
-
-    A chunk rule fires on every iteration line of a run (hundreds of thousands in a catch-up
-    scan), so its state keys, metric groups and Metric field order are resolved here.
-    """
-
-    __slots__ = ("cre", "keys", "metrics", "rule", "stages", "ts")
-
-    def __init__(self, rule: Rule) -> None:
-        assert rule.chunk_cre is not None
-        names = set(rule.chunk_cre.groupindex)
-        self.rule = rule
-        self.cre = rule.chunk_cre
-        index = {name: i - 1 for name, i in rule.chunk_cre.groupindex.items()}  # in groups()
-        # (state key, the rule's constant for it or None, the group's place in groups())
-        self.keys = tuple(
-            (k, rule.set.get(k), index.get(k, -1))
-            for k in _STATE_KEYS
-            if k in names or k in rule.set
-        )
-        self.ts = index.get("ts", -1)
-        # (group's place, value in ms?) per Metric field after ``time``, None: not extracted
-        self.metrics: tuple[tuple[int, bool] | None, ...] | None = None
-        if rule.metrics:
-            self.metrics = tuple(
-                (index[rule.metrics[n]], rule.metrics[n].endswith("_ms"))
-                if n in rule.metrics
-                else None
-                for n in Metric._fields[7:]
-            )
-        self.stages: dict[bytes, str | None] = {}  # a stage group's bytes -> normalised stage
-
-
-def _number(raw: bytes | None) -> float | None:
-    """A metric group's text as a float (None when it is not one), as ``float(text)`` reads it."""
-    if raw is None:
-        return None
-    try:
-        return float(raw.strip().rstrip(b",|"))
-    except ValueError:
-        pass
-    # not ASCII: what the decoded text says (Unicode spaces and digits)
-    try:
-        return float(raw.decode("utf-8", "replace").strip().rstrip(",|"))
-    except ValueError:
-        return None
-
-
-def _metric_values(
-    g: tuple[bytes | None, ...], specs: tuple[tuple[int, bool] | None, ...]
-) -> list[float | None]:
-    out: list[float | None] = []
-    for spec in specs:
-        if spec is None:
-            out.append(None)
-            continue
-        raw = g[spec[0]]
-        if raw is None:
-            out.append(None)
-            continue
-        try:
-            # float() ignores surrounding whitespace itself; a trailing "," or "|" fails here
-            v: float | None = float(raw)
-        except ValueError:
-            v = _number(raw)
-        if v is not None and spec[1]:
-            v /= 1000.0
-        out.append(v)
-    return out
-
-
-@dataclass
-class _Feed:
-    """Scratch space of one ``feed`` call."""
-
-    chunk: bytes
-    base: int
-    file: str | None
-    events: list[Event] = field(default_factory=list)
-    metrics: list[Metric] = field(default_factory=list)
-    opened: dict[str, int] = field(default_factory=dict)  # report key -> index in events
-    prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
-    skip_to: int = -1  # lines consumed by a multi-line match end here
-    first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
-    facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
-
-
 class Detector:
     """Applies a RuleSet to streams. Stateless itself: each stream passes its StreamState."""
 
     def __init__(
         self, rules: RuleSet, *, default_year: int | None = None, automaton: bool = True
     ) -> None:
-        self._c = _Compiled(rules, automaton=automaton)
+        self._c = Compiled(rules, automaton=automaton)
         self.rules = rules
         self.times = TimeParser(default_year)
 
@@ -332,7 +98,7 @@ class Detector:
             return [], []
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
         state.blocks = {k: list(v) for k, v in state.blocks.items()}
-        f = _Feed(chunk, base_offset, file)
+        f = Feed(chunk, base_offset, file)
         any_prefix = c.any_prefix
         line_no = state.line_no
         pos = 0
@@ -348,7 +114,7 @@ class Detector:
                 continue
             end, present, rules = lines[start]
             # chunk rules: one bytes match on each line that holds one of their literals
-            hits: list[tuple[_ChunkPlan, Any]] | None = None
+            hits: list[tuple[ChunkPlan, Any]] | None = None
             if rules is not None:
                 for plan in c.plans(rules):
                     m = plan.cre.search(chunk, start, end)
@@ -469,7 +235,7 @@ class Detector:
                 break
         return text, attrs
 
-    def _record(self, raw: bytes, state: StreamState, line_no: int, start: int, f: _Feed) -> None:
+    def _record(self, raw: bytes, state: StreamState, line_no: int, start: int, f: Feed) -> None:
         """A companion record (see ``companion.py``)."""
         text, prefix_attrs = self._strip_prefixes(decode_line(raw))
         rec = companion.parse(text)
@@ -512,7 +278,7 @@ class Detector:
             if ev is not None:
                 # below every rule: the traceback's own line keeps the report's kind and message,
                 # the summary adds what held the memory
-                self._report(ev, MEMORY_PRIORITY, state, line_no, f)
+                report(ev, MEMORY_PRIORITY, state, line_no, f)
 
     @staticmethod
     def _announced(state: StreamState, rank: int) -> None:
@@ -604,7 +370,7 @@ class Detector:
 
     def _apply_chunk_rule(
         self,
-        plan: _ChunkPlan,
+        plan: ChunkPlan,
         m: Any,
         state: StreamState,
         base_offset: int,
@@ -623,7 +389,7 @@ class Detector:
             values.update(rule.set)
             self._set_state(state, values, line_no, True)
         else:
-            self._chunk_state(plan, g, state)
+            chunk_state(plan, g, state)
         if rule.progress:
             self._progress(state, line_no)
         raw_ts = g[plan.ts] if plan.ts >= 0 else None
@@ -646,63 +412,10 @@ class Detector:
                         state.iter,
                         state.stage,
                         when,
-                        *_metric_values(g, plan.metrics),
+                        *metric_values(g, plan.metrics),
                     )
                 )
             )
-
-    @staticmethod
-    def _chunk_state(plan: _ChunkPlan, g: tuple[bytes | None, ...], state: StreamState) -> None:
-        """``_set_state`` (not a hint) for a chunk rule's match, limited to the keys it has."""
-        step_given = False
-        for key, const, at in plan.keys:
-            v: Any = const
-            if const is None:
-                b = g[at]
-                if b is None:
-                    continue
-                if key == "stage":
-                    stage = plan.stages.get(b, "")
-                    if stage == "":
-                        if len(plan.stages) > 64:
-                            plan.stages.clear()
-                        stage = plan.stages[b] = normalize_stage(b.decode("utf-8", "replace"))
-                    if stage:
-                        if stage != state.stage:
-                            state.hint_stage = None
-                        state.stage = stage
-                    continue
-                if key in _STATE_INTS:
-                    if key == "step":
-                        step_given = True
-                    try:
-                        setattr(state, key, int(b))
-                        continue
-                    except ValueError:
-                        pass  # not ASCII digits: what the decoded text says
-                v = b.decode("utf-8", "replace")
-            if key == "stage":
-                stage = normalize_stage(str(v))
-                if stage:
-                    if stage != state.stage:
-                        state.hint_stage = None
-                    state.stage = stage
-            elif key in _STATE_INTS:
-                if key == "step":
-                    step_given = True
-                if v != "":
-                    try:
-                        setattr(state, key, int(v))
-                    except (TypeError, ValueError):
-                        pass
-            elif v:
-                setattr(state, key, str(v))
-        # Epoch-based loops print the iteration within the epoch; the global step follows.
-        if not step_given and state.stage in (None, "train"):
-            if state.epoch is not None and state.iter is not None and state.iters:
-                state.step = (state.epoch - 1) * state.iters + state.iter
-            elif state.iter is not None and state.epoch is None:
-                state.step = state.iter
 
     def _metric(
         self,
@@ -746,7 +459,7 @@ class Detector:
         line_no: int,
         start: int,
         end: int,
-        f: _Feed,
+        f: Feed,
         present: set[int] | None = None,
     ) -> None:
         c = self._c
@@ -804,7 +517,7 @@ class Detector:
             if rule.alone:
                 f.events.append(ev)
             else:
-                self._report(ev, rule.priority, state, line_no, f)
+                report(ev, rule.priority, state, line_no, f)
             if used_end > end:
                 f.skip_to = used_end
             return
@@ -839,7 +552,7 @@ class Detector:
             return None
         return m, ms or [m], text, end
 
-    def _late_stage(self, stage: str, rank: Any, line_no: int, f: _Feed) -> None:
+    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed) -> None:
         """Frames printed after the report's first line (IPython): they name its stage too."""
         for idx in f.opened.values():
             ev = f.events[idx]
@@ -857,7 +570,7 @@ class Detector:
         prefix_attrs: Mapping[str, Any],
         state: StreamState,
         line_no: int,
-        f: _Feed,
+        f: Feed,
         start: int,
     ) -> Event:
         g = {k: v for k, v in m.groupdict().items() if v is not None}
@@ -954,130 +667,9 @@ class Detector:
             fields={"rule": rule.id, **fields},
         )
 
-    # -- failure reports -------------------------------------------------------------------------
-
-    def _report(self, ev: Event, prio: int, state: StreamState, line_no: int, f: _Feed) -> None:
-        """Add ``ev`` to the events, or fold it into the open report it belongs to."""
-        family = _FAMILY.get(ev.kind, ev.kind)
-        blocks = state.blocks
-        for k in [k for k, b in blocks.items() if line_no - b[1] > BLOCK_LINES]:
-            del blocks[k]
-            f.opened.pop(k, None)
-        key = "?" if ev.rank is None else str(ev.rank)
-
-        def usable(k: str) -> bool:
-            b = blocks.get(k)
-            return b is not None and b[0] == family and b[1] >= state.progress_line
-
-        found: str | None = None
-        if key != "?":
-            found = key if usable(key) else ("?" if usable("?") else None)
-        else:
-            same = [k for k in blocks if usable(k)]
-            if same:
-                found = max(same, key=lambda k: blocks[k][1])
-        if found is None:
-            self._open(ev, prio, key, family, line_no, blocks, f)
-            return
-        b = blocks[found]
-        if found in f.opened:
-            idx = f.opened[found]
-            # ties go to the later line: the final exception line of a traceback says most
-            stronger = prio >= f.prios[idx]
-            merged = _merge(f.events[idx], ev, stronger)
-            f.events[idx] = merged
-            if stronger:
-                f.prios[idx] = prio
-            new_key = "?" if merged.rank is None else str(merged.rank)
-            blocks.pop(found)
-            f.opened.pop(found)
-            blocks[new_key] = [family, line_no, f.prios[idx], merged.kind]
-            f.opened[new_key] = idx
-        elif prio > b[2] and ev.kind != b[3]:
-            # the report's first event was committed with an earlier chunk; a stronger line of
-            # another kind (an error that turns out to be a timeout) still gets its own event
-            blocks.pop(found)
-            self._open(ev, prio, key, family, line_no, blocks, f)
-        else:
-            b[1] = line_no
-
-    @staticmethod
-    def _open(
-        ev: Event,
-        prio: int,
-        key: str,
-        family: str,
-        line_no: int,
-        blocks: dict[str, list[Any]],
-        f: _Feed,
-    ) -> None:
-        f.events.append(ev)
-        idx = len(f.events) - 1
-        f.prios[idx] = prio
-        f.opened[key] = idx
-        blocks[key] = [family, line_no, prio, ev.kind]
-
-
-def rule_facts(rule: Rule, groups: Mapping[str, Any]) -> dict[str, Any]:
-    """The run facts a context rule's match tells: ``facts = { "versions.torch" = "{torch}" }``
-    (a template that is one group takes that group's typed value; groups that did not take
-    part leave their fact out)."""
-    out: dict[str, Any] = {}
-    for path, template in rule.facts.items():
-        whole = _WHOLE_GROUP.fullmatch(template)
-        if whole:
-            raw = groups.get(whole.group(1))
-            if raw is None or raw == "":
-                continue
-            typ = rule.types.get(whole.group(1), "str")
-            value: Any = convert(raw, typ) if isinstance(raw, str) else raw
-        else:
-            try:
-                value = template.format_map(_Strict(groups))
-            except KeyError:
-                continue
-        node = out
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-_WHOLE_GROUP = re.compile(r"\{(\w+)\}")
-
-
-class _Strict(dict[str, Any]):
-    def __missing__(self, key: str) -> str:
-        raise KeyError(key)
-
-    def __getitem__(self, key: str) -> Any:
-        v = super().__getitem__(key)
-        if v is None:
-            raise KeyError(key)
-        return v
-
 
 class _Missing(dict[str, Any]):
     """Message templates name groups that some lines lack: say so."""
 
     def __missing__(self, key: str) -> str:
         return "unknown"
-
-
-def _merge(old: Event, new: Event, stronger: bool) -> Event:
-    """One report, two lines: keep the first line's place, fill what it did not say."""
-    upd: dict[str, Any] = {}
-    for a in _MERGED_ATTRS:
-        if getattr(old, a) is None and getattr(new, a) is not None:
-            upd[a] = getattr(new, a)
-    fields = dict(old.fields)
-    if stronger:
-        upd["kind"] = new.kind
-        upd["message"] = new.message
-        fields.update(new.fields)
-    else:
-        for k, v in new.fields.items():
-            fields.setdefault(k, v)
-    upd["fields"] = fields
-    return dataclasses.replace(old, **upd)

@@ -1,0 +1,114 @@
+"""Failure reports: a failure is usually reported over several lines (a traceback, an HCCL error
+block, a watchdog message and its follow-ups). Detections of one report become one event: the
+first line gives its position, the highest-priority line its kind and message, every line its
+missing attributes and fields. Open reports are kept per rank in the stream state, so a report
+split over two chunks is still one event."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..events import Event, Metric
+from ..stream import StreamState
+
+BLOCK_LINES = 40  # lines within which detections of one family are one failure report
+FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
+_MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
+
+
+@dataclass
+class Feed:
+    """Scratch space of one ``feed`` call."""
+
+    chunk: bytes
+    base: int
+    file: str | None
+    events: list[Event] = field(default_factory=list)
+    metrics: list[Metric] = field(default_factory=list)
+    opened: dict[str, int] = field(default_factory=dict)  # report key -> index in events
+    prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
+    skip_to: int = -1  # lines consumed by a multi-line match end here
+    first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
+    facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
+
+
+def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> None:
+    """Add ``ev`` to the events, or fold it into the open report it belongs to."""
+    family = FAMILY.get(ev.kind, ev.kind)
+    blocks = state.blocks
+    for k in [k for k, b in blocks.items() if line_no - b[1] > BLOCK_LINES]:
+        del blocks[k]
+        f.opened.pop(k, None)
+    key = "?" if ev.rank is None else str(ev.rank)
+
+    def usable(k: str) -> bool:
+        b = blocks.get(k)
+        return b is not None and b[0] == family and b[1] >= state.progress_line
+
+    found: str | None = None
+    if key != "?":
+        found = key if usable(key) else ("?" if usable("?") else None)
+    else:
+        same = [k for k in blocks if usable(k)]
+        if same:
+            found = max(same, key=lambda k: blocks[k][1])
+    if found is None:
+        _open(ev, prio, key, family, line_no, blocks, f)
+        return
+    b = blocks[found]
+    if found in f.opened:
+        idx = f.opened[found]
+        # ties go to the later line: the final exception line of a traceback says most
+        stronger = prio >= f.prios[idx]
+        merged = _merge(f.events[idx], ev, stronger)
+        f.events[idx] = merged
+        if stronger:
+            f.prios[idx] = prio
+        new_key = "?" if merged.rank is None else str(merged.rank)
+        blocks.pop(found)
+        f.opened.pop(found)
+        blocks[new_key] = [family, line_no, f.prios[idx], merged.kind]
+        f.opened[new_key] = idx
+    elif prio > b[2] and ev.kind != b[3]:
+        # the report's first event was committed with an earlier chunk; a stronger line of
+        # another kind (an error that turns out to be a timeout) still gets its own event
+        blocks.pop(found)
+        _open(ev, prio, key, family, line_no, blocks, f)
+    else:
+        b[1] = line_no
+
+
+def _open(
+    ev: Event,
+    prio: int,
+    key: str,
+    family: str,
+    line_no: int,
+    blocks: dict[str, list[Any]],
+    f: Feed,
+) -> None:
+    f.events.append(ev)
+    idx = len(f.events) - 1
+    f.prios[idx] = prio
+    f.opened[key] = idx
+    blocks[key] = [family, line_no, prio, ev.kind]
+
+
+def _merge(old: Event, new: Event, stronger: bool) -> Event:
+    """One report, two lines: keep the first line's place, fill what it did not say."""
+    upd: dict[str, Any] = {}
+    for a in _MERGED_ATTRS:
+        if getattr(old, a) is None and getattr(new, a) is not None:
+            upd[a] = getattr(new, a)
+    fields = dict(old.fields)
+    if stronger:
+        upd["kind"] = new.kind
+        upd["message"] = new.message
+        fields.update(new.fields)
+    else:
+        for k, v in new.fields.items():
+            fields.setdefault(k, v)
+    upd["fields"] = fields
+    return dataclasses.replace(old, **upd)
