@@ -185,6 +185,19 @@ def test_orphan_timeout_carries_the_rank_it_points_at(tmp_path: Path, db: Path) 
     assert inc["hints"][0]["id"] == "collective-timeout-find-first-failure"
 
 
+def test_timeouts_naming_their_backend_or_not_are_one_incident(tmp_path: Path, db: Path) -> None:
+    stuck = (
+        "[rank{r}]:[F ProcessGroupNCCL.cpp:1169] [PG 0 Rank {r}] ProcessGroupNCCL's watchdog got "
+        "stuck for 600 seconds without making progress in monitoring enqueued collectives."
+    )
+    bare = "[rank{r}]: [PG 0 Rank {r}] Heartbeat monitor timed out! Process will be terminated."
+    for first, lines in (("named", [stuck, bare, bare]), ("unnamed", [bare, stuck, bare])):
+        run = tmp_path / first
+        write_lines(run / "train.log", [line.format(r=r) for r, line in enumerate(lines)])
+        (inc,) = scan(tmp_path / f"{first}.db", run)
+        assert inc["kind"] == "comm_timeout" and inc["ranks"] == [0, 1, 2], first
+
+
 def test_a_worker_that_raised_a_comm_error_is_not_the_root_of_it(tmp_path: Path, db: Path) -> None:
     # one stdout: the NCCL error raised in the worker, then torchrun's report of its exit
     write_lines(

@@ -187,6 +187,8 @@ class Correlator:
             if inc is None:
                 key = fingerprint(ev["kind"], ev["message"], ev["fields"])
                 inc = self._open_incident(ev["run_id"], key, accs)
+                if inc is None and ev["kind"] in ("comm_timeout", "comm_error"):
+                    inc = self._comm_sibling(ev["run_id"], key, accs)
                 if inc is None:
                     inc = self._create(ev, key)
                     accs[inc["id"]] = _Acc(inc, created=True)
@@ -330,6 +332,29 @@ class Correlator:
             (run_id, key),
         ).fetchone()
         return _incident(self.store, row) if row else None
+
+    def _comm_sibling(
+        self, run_id: int, key: str, accs: Mapping[int, _Acc]
+    ) -> dict[str, Any] | None:
+        """Communication incidents are one per backend, but not every line names its backend
+        (one rank's heartbeat report says NCCL, another's does not): an event whose backend is
+        unknown joins its run's one open incident of that kind, and one that names its backend
+        joins an open incident of that kind whose backend was unknown."""
+        kind, backend = key.split(":", 1)
+        if backend:
+            return self._open_incident(run_id, f"{kind}:", accs)
+        ids = [
+            r[0]
+            for r in self.store.conn.execute(
+                "SELECT id FROM incidents WHERE run_id IS ? AND kind = ? AND key LIKE ? "
+                "AND status = 'open'",
+                (run_id, kind, f"{kind}:%"),
+            )
+        ]
+        if len(ids) != 1:
+            return None
+        acc = accs.get(ids[0])
+        return acc.incident if acc else self._load(ids[0])
 
     def _load(self, incident_id: int) -> dict[str, Any] | None:
         row = self.store.conn.execute(
