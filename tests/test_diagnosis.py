@@ -198,6 +198,23 @@ def test_timeouts_naming_their_backend_or_not_are_one_incident(tmp_path: Path, d
         assert inc["kind"] == "comm_timeout" and inc["ranks"] == [0, 1, 2], first
 
 
+def test_an_aborted_communicator_and_a_watchdog_timeout_are_one_incident(
+    tmp_path: Path, db: Path
+) -> None:
+    run = tmp_path / "job"
+    write_lines(run / "rank3.log", ["RuntimeError: NCCL communicator was aborted on rank 3."])
+    write_lines(
+        run / "rank5.log",
+        [
+            "[E ProcessGroupNCCL.cpp:587] [Rank 5] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=8812, OpType=BROADCAST, Timeout(ms)=1800000) ran for 1800423 "
+            "milliseconds before timing out."
+        ],
+    )
+    (inc,) = scan(db, run)
+    assert inc["kind"] in ("comm_error", "comm_timeout") and inc["ranks"] == [3, 5]
+
+
 def test_a_worker_that_raised_a_comm_error_is_not_the_root_of_it(tmp_path: Path, db: Path) -> None:
     # one stdout: the NCCL error raised in the worker, then torchrun's report of its exit
     write_lines(

@@ -147,6 +147,25 @@ def test_bad_inputs_are_refused_with_a_reason(node_dbs: dict[str, Path], tmp_pat
     assert bad.returncode == 1 and "junk.db" in bad.stderr
 
 
+def test_schema_3_regroups_open_communication_incidents(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(MIGRATIONS[0] + ";" + MIGRATIONS[1] + ";PRAGMA user_version=2;")
+    conn.execute("INSERT INTO runs(name, root, created_at) VALUES ('job', 'job', 'now')")
+    for kind, key in (("comm_timeout", "comm_timeout:nccl"), ("nan", "nan")):
+        conn.execute(
+            "INSERT INTO incidents(run_id, kind, key, title, created_at, updated_at) "
+            "VALUES (1, ?, ?, 'old', 'now', 'now')",
+            (kind, key),
+        )
+    conn.commit()
+    conn.close()
+    Store.open(db).close()
+    with sqlite3.connect(db) as conn:
+        keys = [r[0] for r in conn.execute("SELECT key FROM incidents ORDER BY id")]
+    assert keys == ["comm:nccl", "nan"]
+
+
 def test_a_schema_1_database_is_migrated_and_keeps_its_offsets(tmp_path: Path) -> None:
     """A node database written before many-node support: its files are not read again."""
     logs = tmp_path / "logs"

@@ -1,10 +1,11 @@
 """Events -> incidents with one root cause.
 
 The correlator reads the events committed since its last pass and attaches each to an incident
-of its run. Events are grouped by a fingerprint (kind, plus backend or normalised message for
-open-ended kinds); a root cause absorbs its symptoms (see ``chains.py``): collective timeouts
-on the other ranks, the launcher's report that the rank died. Every material change bumps the
-incident's ``version`` and is returned as a :class:`Change` for the outbox.
+of its run. Events are grouped by a fingerprint (the kind, plus the normalised message for
+open-ended kinds; a run's communication timeouts and errors by backend); a root cause absorbs
+its symptoms (see ``chains.py``): collective timeouts on the other ranks, the launcher's report
+that the rank died. Every material change bumps the incident's ``version`` and is returned as a
+:class:`Change` for the outbox.
 
 Lifecycle: ``open`` -> ``resolved`` when the run recovers (finite losses again after a NaN) or,
 under ``watch``, after a quiet period; a recurrence later opens a new incident. Incidents
@@ -51,8 +52,10 @@ def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
     if kind in _ONE_PER_RUN:
         return kind
     if kind in ("comm_timeout", "comm_error"):
+        # a run's timeouts and errors on one backend are one failure seen from several ranks
+        # (one rank's communicator aborted, another's watchdog timed out)
         backend = str(fields.get("backend") or "")
-        return f"{kind}:{backend}"
+        return f"comm:{backend}"
     text = _PATH.sub("<path>", message)
     text = _NUM.sub("<n>", text)
     text = _WS.sub(" ", text).strip().lower()[:160]
@@ -338,17 +341,16 @@ class Correlator:
     ) -> dict[str, Any] | None:
         """Communication incidents are one per backend, but not every line names its backend
         (one rank's heartbeat report says NCCL, another's does not): an event whose backend is
-        unknown joins its run's one open incident of that kind, and one that names its backend
-        joins an open incident of that kind whose backend was unknown."""
-        kind, backend = key.split(":", 1)
-        if backend:
-            return self._open_incident(run_id, f"{kind}:", accs)
+        unknown joins its run's one open communication incident, and one that names its
+        backend joins an open one whose backend was unknown."""
+        if not key.endswith(":"):
+            return self._open_incident(run_id, "comm:", accs)
         ids = [
             r[0]
             for r in self.store.conn.execute(
-                "SELECT id FROM incidents WHERE run_id IS ? AND kind = ? AND key LIKE ? "
+                "SELECT id FROM incidents WHERE run_id IS ? AND key LIKE 'comm:%' "
                 "AND status = 'open'",
-                (run_id, kind, f"{kind}:%"),
+                (run_id,),
             )
         ]
         if len(ids) != 1:

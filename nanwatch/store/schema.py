@@ -202,4 +202,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (origin, src_id)
     );
     """,
+    # 3: a run's communication timeouts and errors on one backend group into one incident:
+    # their grouping key is comm:<backend> (it was <kind>:<backend>).
+    """
+    UPDATE incidents SET key = 'comm:' || substr(key, instr(key, ':') + 1)
+    WHERE kind IN ('comm_timeout', 'comm_error') AND key LIKE 'comm%:%';
+    """,
 ]
