@@ -208,6 +208,13 @@ def finish_copytruncate(log: Path, copy: Path, rest: str, then: str = "") -> Non
             f.write(then)
 
 
+def iters_after_two_passes(live: Live, db: Path) -> list[int]:
+    """Two passes (a waiting copy settles, then what is new is read); the NaN iterations."""
+    live.step()
+    live.step()
+    return sorted(i for _, i in nan_iters(db))
+
+
 def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
     tmp_path: Path, db: Path
 ) -> None:
@@ -218,9 +225,7 @@ def test_copytruncate_copy_seen_half_written_is_not_read_from_zero(
         assert len(nan_iters(db)) == 40  # nothing of the partial copy is read from byte 0
         # 41 was not yet read from the log
         finish_copytruncate(log, copy, text[len(text) // 3 :] + nan_line(41), nan_line(42))
-        live.step()
-        live.step()
-        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 43))
+        assert iters_after_two_passes(live, db) == list(range(1, 43))
 
 
 def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
@@ -235,9 +240,7 @@ def test_copytruncate_copy_seen_empty_is_judged_when_its_bytes_come(
         live.step()
         assert len(nan_iters(db)) == 20
         finish_copytruncate(log, copy, text[100:], nan_line(21))
-        live.step()
-        live.step()
-        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 22))
+        assert iters_after_two_passes(live, db) == list(range(1, 22))
 
 
 def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
@@ -257,9 +260,7 @@ def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
             return got
 
         tracker._fd_size = look_then_logrotate_copies  # type: ignore[method-assign]
-        live.step()
-        live.step()
-        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 21))
+        assert iters_after_two_passes(live, db) == list(range(1, 21))
 
 
 def test_a_copy_half_written_when_nanwatch_restarts_is_not_read_from_zero(
@@ -272,9 +273,7 @@ def test_a_copy_half_written_when_nanwatch_restarts_is_not_read_from_zero(
         live.step()
         assert len(nan_iters(db)) == 40
         finish_copytruncate(log, copy, text[len(text) // 2 :], nan_line(41))
-        live.step()
-        live.step()
-        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 42))
+        assert iters_after_two_passes(live, db) == list(range(1, 42))
 
 
 def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
@@ -298,9 +297,7 @@ def test_a_copy_whose_first_bytes_fit_two_generations_settles_on_the_right_one(
         finish_copytruncate(log, copy, text[20:], nan_line(50))
         # no grace left: only recognising the copy's real twin keeps it from byte 0
         monkeypatch.setattr("nanwatch.sources.copies.COPY_GRACE", 0.0)
-        live.step()
-        live.step()
-        assert sorted(i for _, i in nan_iters(db)) == list(range(1, 51))
+        assert iters_after_two_passes(live, db) == list(range(1, 51))
 
 
 def test_a_copy_resumed_at_its_twins_offset_keeps_it_across_a_kill(

@@ -168,12 +168,15 @@ class CopyJudge:
             twin = rec.copy_of
             # a copy still being written (or no copy after all) waits, within the grace
             got = self._fd_size(rec) if rec.offset == 0 else None
-            if got is not None and not holds(*got, twin):
+            complete = rec.offset > 0
+            if got is not None:
                 # complete now, it may hold another generation's bytes than the one whose
                 # start it shared while it was short
-                twin = self._copy_candidate(rec, *got) or twin
-                rec.copy_of = twin
-            if rec.offset > 0 or (got is not None and holds(*got, twin)):
+                found = twin if holds(*got, twin) else self._copy_candidate(rec, *got)
+                if found is not None:
+                    twin = rec.copy_of = found
+                    complete = True
+            if complete:
                 self.check(twin)
                 if self._twin_rotated(twin):
                     self._continue_from(rec, twin)
