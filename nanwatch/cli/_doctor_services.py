@@ -20,7 +20,7 @@ SLACK_API = "https://slack.com/api/"
 
 
 def check_database(db: Path, config: Any) -> list[Finding]:
-    from ..store.db import SCHEMA_VERSION
+    from ..store.db import SCHEMA_VERSION, recovery_steps
 
     if not db.exists():
         folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
@@ -55,8 +55,7 @@ def check_database(db: Path, config: Any) -> list[Finding]:
                 "database",
                 "fail",
                 f"{db}: damaged ({check})",
-                f"stop nanwatch; mv {db} {db}.bad; then start afresh, or salvage it: "
-                f"sqlite3 {db}.bad .recover | sqlite3 {db}",
+                recovery_steps(db),
             )
         ]
     size = db.stat().st_size + (
