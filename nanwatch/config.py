@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -523,10 +524,55 @@ SLACK_TOKEN_CREDENTIAL = "slack-token"
 SLACK_WEBHOOK_CREDENTIAL = "slack-webhook"
 
 
+def read_secret_file(path: str, *, key: str, what: str = "secret", where: str = "") -> str:
+    """A secret from a file that only its owner may read; ConfigError naming key and fix.
+
+    One rule everywhere (``watch``, ``doctor``, the docs): owner-only, mode 0600, owned by the
+    user nanwatch runs as. Not 0640 with group nanwatch: operators join that group to read the
+    database, and they need not be able to post as the bot.
+    """
+    at = f"{where} {key}".strip()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{at} = {path!r}: no such file; write the {what} there "
+            f"(one line, then chmod 600 {path}) or fix {key}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{at} = {path!r}: cannot stat it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{at} = {path!r}: not a regular file; point {key} at the file")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{at} = {path!r}: the {what} file is open to group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); it is a secret: chmod 600 {path} "
+            "(owned by the user nanwatch runs as), or pass it with LoadCredential="
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except PermissionError:
+        raise ConfigError(
+            f"{at} = {path!r}: this user (uid {os.getuid()}) cannot read the {what} "
+            f"file; chown it to the user nanwatch runs as (mode 600)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{at} = {path!r}: cannot read the {what} ({e})") from None
+    if not value:
+        raise ConfigError(f"{at} = {path!r}: the file is empty; write the {what} into it")
+    if any(c.isspace() for c in value):
+        raise ConfigError(
+            f"{at} = {path!r}: the file holds more than one word; it must hold only the {what}"
+        )
+    return value
+
+
 def read_secret(*, file: str | None, credential: str, env: str | None, key: str) -> str | None:
     """A secret (a token, a webhook URL) from the first place that has one, or None.
 
-    1. ``file`` (the config's ``*_file`` key, named ``key`` in errors);
+    1. ``file`` (the config's ``*_file`` key, named ``key`` in errors), read by
+       :func:`read_secret_file` (owner-only);
     2. ``$CREDENTIALS_DIRECTORY/<credential>``: what systemd's ``LoadCredential=`` passes to
        the service (the unit's empty ``SetCredential=`` default counts as absent);
     3. the environment variable ``env``.
@@ -534,22 +580,7 @@ def read_secret(*, file: str | None, credential: str, env: str | None, key: str)
     Surrounding whitespace is stripped. The value itself never appears in an error.
     """
     if file:
-        try:
-            value = Path(file).read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{key} = {file!r}: no such file; create it or fix the path"
-            ) from None
-        except PermissionError:
-            raise ConfigError(
-                f"{key} = {file!r}: permission denied; make it readable by the user nanwatch "
-                "runs as (chmod 0640, group nanwatch), or pass it with LoadCredential="
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{key} = {file!r}: cannot read it ({e})") from None
-        if not value:
-            raise ConfigError(f"{key} = {file!r}: the file is empty; put the secret in it")
-        return value
+        return read_secret_file(file, key=key)
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
     if creds:
         try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import StoreError
 from ..events import Event, now_utc
+from . import files
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -60,6 +61,7 @@ def damaged(path: Path | str, what: str) -> StoreError:
 
 # The check at open reads every page once; on a very large file it stops after this long and
 # the open goes on (a damaged page met later is still reported, then, by the pass that meets it).
+_CHECKED: set[str] = set()  # databases this process's writer checked at open
 CHECK_BUDGET = 10.0  # seconds, for the writer (`watch`, `scan`)
 READ_CHECK_BUDGET = 1.0  # seconds, for read commands, which should answer at once
 
@@ -107,15 +109,16 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 class WriterLock:
     """One writing process per database: ``<db>.lock`` held with flock while it writes."""
 
-    def __init__(self, db_path: Path) -> None:
+    def __init__(self, db_path: Path, mode: int = 0o600) -> None:
         self.path = Path(str(db_path) + ".lock")
+        self.mode = mode
         self.fd: int | None = None
 
     def acquire(self) -> None:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
         except OSError as e:
             raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
         try:
@@ -174,6 +177,8 @@ class Store:
         p = Path(path)
         Store.last_opened = p
         if readonly:
+            if files.unreadable(p):
+                raise files.denied(p)
             if not p.exists():
                 raise StoreError(
                     f"{p}: no database here yet; run `nanwatch scan PATH` or `nanwatch watch` "
@@ -186,9 +191,16 @@ class Store:
                 )
                 conn.execute("PRAGMA query_only=ON")
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
-                if version >= SCHEMA_VERSION:
+                if version >= SCHEMA_VERSION and str(p) not in _CHECKED:
                     check_integrity(conn, p, READ_CHECK_BUDGET)
             except sqlite3.Error as e:
+                if "readonly" in str(e) and not os.path.exists(f"{p}-shm"):
+                    raise StoreError(
+                        f"{p}: cannot be read while no nanwatch is writing it: a reader needs "
+                        f"the {p.name}-shm file that `watch` keeps, and may not create it in "
+                        f"{p.parent}; start the service, or run the command as its user "
+                        "(sudo -u nanwatch nanwatch ...)"
+                    ) from None
                 raise _explain(p, e) from None
             except StoreError:
                 conn.close()
@@ -204,13 +216,9 @@ class Store:
                 )
             store = cls(p, conn, readonly=True)
             return store
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(
-                f"{p.parent}: cannot create the database folder ({e.strerror})"
-            ) from None
-        lock = WriterLock(p)
+        files.make_folder(p.parent)
+        mode = files.prepare(p)
+        lock = WriterLock(p, mode)
         if exclusive:
             lock.acquire()
         wconn: sqlite3.Connection | None = None
@@ -220,6 +228,7 @@ class Store:
             )
             if not check_integrity(wconn, p, CHECK_BUDGET):
                 log.info("%s: too large to check in %.0f s at start; not checked", p, CHECK_BUDGET)
+            _CHECKED.add(str(p))  # this process's readers need not check it again
             if wconn.execute("PRAGMA user_version").fetchone()[0] == 0:
                 # a fresh file: auto_vacuum must be chosen before the first page is written,
                 # and switching to WAL writes one
