@@ -8,6 +8,7 @@ receive the value as one intact argument.
 
 from __future__ import annotations
 
+import html
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from nanwatch.correlate.commands import check_command, fill_command
 from nanwatch.correlate.knowledge import Knowledge, Situation
 from nanwatch.errors import RuleError
+from nanwatch.notify.slack_text import parent_blocks
 
 KB = Knowledge.load(node_facts=False)
 BASH = shutil.which("bash")
@@ -174,3 +176,30 @@ def test_a_template_with_an_open_quote_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(RuleError, match=r"site\.toml.*site-x.*commands\[0\].*never closed"):
         Knowledge.load([folder], node_facts=False)
+
+
+@pytest.mark.skipif(BASH is None or TOUCH is None, reason="needs bash and touch")
+def test_the_command_shown_in_slack_stays_quoted(tmp_path: Path) -> None:
+    """What a reader copies out of the Slack message's code block is as safe as `show`'s."""
+    cause = next(c for c in KB.causes if any("{run}" in t for t in c.commands))
+    index = next(i for i, t in enumerate(cause.commands) if "{run}" in t)
+    bin_dir = _sandbox(tmp_path)
+    for n, value in enumerate([*HOSTILE, "x`;touch PWNED;`", "x`id`'$(id)'"]):
+        hint = cause.hint(_hostile_situation(value))
+        hint["commands"] = [hint["commands"][index]]
+        inc = {"id": 7, "title": "t", "kind": "nan", "hints": [hint]}
+        texts = [
+            b["text"]["text"] for b in parent_blocks(inc) if b["type"] == "section" and "text" in b
+        ]
+        (shown,) = [t for t in texts if "Known cause" in t]
+        code = shown.split("```")[1]
+        pasted = html.unescape(code)  # what Slack displays, and a reader copies
+        work = tmp_path / f"s{n}"
+        work.mkdir()
+        env = {"PATH": str(bin_dir), "ARGV_LOG": str(work / "argv.log"), "HOME": str(work)}
+        assert BASH is not None
+        subprocess.run(
+            [BASH, "--norc", "-c", pasted], cwd=work, env=env, capture_output=True, timeout=10
+        )
+        made = sorted(p.name for p in work.iterdir() if p.name != "argv.log")
+        assert not made, f"{pasted!r} created {made}"
