@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
+from nanwatch.config import Config
+from nanwatch.errors import StoreError
+from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
 from nanwatch.store.db import check_integrity, recovery_steps
 
@@ -102,3 +106,34 @@ def test_an_intact_database_opens_and_the_check_is_bounded(tmp_path: Path) -> No
     finally:
         store.close()
     assert CliRunner().invoke(cli, ["incidents", "--db", str(db)]).exit_code == 0
+
+
+def test_damage_met_during_a_pass_stops_watch_instead_of_pausing(tmp_path: Path) -> None:
+    """Pages the writer reads again after the check (its cache evicted) turn out garbage: the
+    loop stops with the damaged error; it does not pause and retry forever as for a full disk."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_text("".join(LINE.format(m=i // 60 % 60, s=i % 60, i=i) for i in range(1, 3001)))
+    db = tmp_path / "nw.db"
+    store = Store.open(db)
+    pipe = Pipeline(Config(), store, [str(logs)], live=True)
+    stop = threading.Event()
+    guard = threading.Timer(30, stop.set)  # only so that a failing run ends
+    try:
+        pipe.step()
+        store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        _damage(db)
+        store.conn.execute("PRAGMA shrink_memory")  # what memory pressure does to the cache
+        with log.open("a") as f:
+            f.write("".join(LINE.format(m=i // 60 % 60, s=i % 60, i=i) for i in range(3001, 4001)))
+        guard.start()
+        with pytest.raises(StoreError) as e:
+            pipe.watch(stop)
+        assert e.value.damaged and "the database is damaged" in str(e.value)
+        assert not stop.is_set(), "watch paused on the damage instead of stopping"
+    finally:
+        guard.cancel()
+        guard.join()
+        pipe.tracker.close()
+        store.close()
