@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import sqlite3
 import tempfile
 import threading
@@ -132,9 +133,10 @@ def demo(speed: float, directory: Path | None, verbose: int) -> None:
             f"  category {c['category_id']} ({c['name']}): {c['annotations']} annotations "
             "outside the classes"
         )
+    db_arg = shlex.quote(str(db_path))
     say(
-        f"\nExplore it:\n  nanwatch incidents --json --db {db_path}\n"
-        f"  nanwatch show 1 --db {db_path}\n  nanwatch events --kind nan --db {db_path}"
+        f"\nExplore it:\n  nanwatch incidents --json --db {db_arg}\n"
+        f"  nanwatch show 1 --db {db_arg}\n  nanwatch events --kind nan --db {db_arg}"
     )
 
 

@@ -47,8 +47,9 @@ def _more(iid: Any) -> str:
 
 
 def _code(text: str, limit: int, iid: Any) -> str:
-    # backticks in a log line would end the code block early
-    body = escape(text).replace("`", "'")
+    # a backtick would end the code block early; its stand-in must not be a quote either: the
+    # block may hold a suggested shell command, and a ' there would undo its quoting
+    body = escape(text).replace("`", "\u02cb")
     return _FENCE + clip(body, limit - 2 * len(_FENCE), _more(iid)) + _FENCE
 
 
