@@ -39,7 +39,7 @@ RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays va
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
-MEMORY_PRIORITY = -100  # a companion memory summary never outranks a rule's detection
+MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
 
 def decode_line(raw: bytes) -> str:
@@ -90,12 +90,14 @@ class Detector:
         file: str | None = None,
         *,
         facts: list[dict[str, Any]] | None = None,
+        trace: set[str] | None = None,
     ) -> tuple[list[Event], list[Metric]]:
         """Process ``chunk`` (complete lines only) that starts at byte ``base_offset``.
 
         Updates ``state`` in place (line count, context) and returns what the lines yield.
         Run facts the lines tell (versions, world size, timeouts...) are appended to ``facts``
-        when it is given.
+        when it is given; the ids of the prefixes and rules that matched a line are added to
+        ``trace`` (the examples runner: an example must pass through its own rule).
         """
         c = self._c
         # year-less timestamps: not after the file was last written, not before the stream's
@@ -110,6 +112,7 @@ class Detector:
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
         state.blocks = {k: list(v) for k, v in state.blocks.items()}
         f = Feed(chunk, base_offset, file)
+        f.trace = trace
         any_prefix = c.any_prefix
         line_no = state.line_no
         pos = 0
@@ -145,9 +148,11 @@ class Detector:
             no_epoch = state.epoch is None
             if is_candidate or (any_prefix is not None and any_prefix.match(chunk, start)):
                 raw = decode_line(chunk[start:end])
-                text, prefix_attrs = self._strip_prefixes(raw)
+                text, prefix_attrs = self._strip_prefixes(raw, f.trace)
             if hits is not None:
                 for plan, m in hits:
+                    if f.trace is not None:
+                        f.trace.add(plan.rule.id)
                     self._apply_chunk_rule(
                         plan,
                         m,
@@ -205,7 +210,7 @@ class Detector:
                             "type": "hint" if r.hint else r.type,
                             "kind": r.kind,
                             "pack": r.pack,
-                            "priority": r.priority,
+                            "tier": r.tier,
                             "values": vals,
                         }
                     )
@@ -227,7 +232,13 @@ class Detector:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _strip_prefixes(self, text: str) -> tuple[str, dict[str, Any]]:
+    def prefix_attrs(self, line: str) -> dict[str, Any]:
+        """The attributes (rank, node...) the prefixes of ``line`` carry."""
+        return self._strip_prefixes(decode_line(line.encode("utf-8")))[1]
+
+    def _strip_prefixes(
+        self, text: str, trace: set[str] | None = None
+    ) -> tuple[str, dict[str, Any]]:
         attrs: dict[str, Any] = {}
         for _ in range(4):
             for p in self.rules.prefixes:
@@ -241,6 +252,8 @@ class Detector:
                         elif k in ("node", "device"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
+                    if trace is not None:
+                        trace.add(p.id)
                     break
             else:
                 break
@@ -498,6 +511,8 @@ class Detector:
             m = rule.cre.search(ctx_text)
             if m is None:
                 continue
+            if f.trace is not None:
+                f.trace.add(rule.id)
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
@@ -524,11 +539,13 @@ class Detector:
             if found is None:
                 continue
             m, ms, matched, used_end = found
+            if f.trace is not None:
+                f.trace.add(rule.id)
             ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
             if rule.alone:
                 f.events.append(ev)
             else:
-                report(ev, rule.priority, state, line_no, f)
+                report(ev, c.strength[rule.id], state, line_no, f)
             if used_end > end:
                 f.skip_to = used_end
             return
