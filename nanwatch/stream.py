@@ -43,6 +43,7 @@ class StreamState:
     step: int | None = None
     hint_stage: str | None = None
     hint_line: int = 0
+    hint_weak: bool = False  # the hint stage came from the entry script, not a loop frame
     hint_rank: int | None = None  # a rank named by a nearby error line (RankID:8)
     hint_rank_line: int = 0
     progress_line: int = 0  # the last iteration line: failure reports do not span it

@@ -94,9 +94,9 @@ def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
     assert [(e.kind, e.iter) for e in events] == [("nan", 10), ("nan", 20)]
 
 
-def test_stage_from_frames_banners_and_bars_and_the_default() -> None:
+def test_stage_from_frames_banners_and_bars_and_none_by_default() -> None:
     events, _ = feed(["RuntimeError: CUDA error: out of memory"])
-    assert events[0].stage == "train"  # nothing says otherwise
+    assert events[0].stage is None  # nothing names one: not a silent "train"
     events, _ = feed(
         [
             "***** Running Evaluation *****",
@@ -117,6 +117,64 @@ def test_stage_from_frames_banners_and_bars_and_the_default() -> None:
         state,
     )
     assert (events[0].stage, events[0].epoch, events[0].iter) == ("train", 2, 5)
+
+
+OOM = "RuntimeError: CUDA error: out of memory"
+FRAMES = {
+    "mmengine ValLoop.run": (
+        [
+            '  File "/m/mmengine/runner/loops.py", line 373, in run',
+            "    self.runner.val_loop.run()",
+        ],
+        "val",
+    ),
+    "mmengine test_step": (['  File "/m/base_model.py", line 145, in test_step'], "test"),
+    "Lightning validation_step": (['  File "/w/model.py", line 88, in validation_step'], "val"),
+    "Lightning _evaluation_loop": (
+        [
+            '  File "/l/trainer/trainer.py", line 1029, in _run_stage',
+            "    return self._evaluation_loop.run()",
+        ],
+        "val",
+    ),
+    "Lightning predict_step": (['  File "/w/model.py", line 12, in predict_step'], "test"),
+    "HF evaluate": (['  File "/t/trainer.py", line 3011, in evaluate'], "val"),
+    "HF prediction_step": (['  File "/t/trainer.py", line 4271, in prediction_step'], "val"),
+    "HF evaluation_loop": (['  File "/t/trainer.py", line 3200, in evaluation_loop'], "val"),
+    "Megatron evaluate(": (
+        [
+            '  File "/mg/training.py", line 1500, in evaluate_and_print_results',
+            "    total_loss_dict, collected, timelimit = evaluate(",
+        ],
+        "val",
+    ),
+    "detectron2": (['  File "/d/evaluator.py", line 158, in inference_on_dataset'], "val"),
+    "test.py": (['  File "tools/test.py", line 12, in <module>'], "test"),
+    "eval.py": (['  File "/w/eval.py", line 30, in <module>'], "val"),
+    "inference server": (['  File "/srv/inference_server.py", line 9, in <module>'], "test"),
+    "train.py": (['  File "/w/tools/train.py", line 9, in <module>'], "train"),
+    "a library frame": (['  File "/t/nn/modules/module.py", line 1501, in _call_impl'], None),
+}
+
+
+def test_stage_from_the_frames_of_each_framework_and_the_entry_script() -> None:
+    got = {}
+    for name, (frames, _) in FRAMES.items():
+        events, _ = feed(["Traceback (most recent call last):", *frames, OOM])
+        got[name] = events[0].stage
+    assert got == {name: stage for name, (_, stage) in FRAMES.items()}
+
+
+def test_an_entry_script_never_replaces_a_loop_frame() -> None:
+    frames = [
+        '  File "/w/tools/train.py", line 9, in <module>',
+        '  File "/m/base_model.py", line 133, in val_step',
+    ]
+    events, _ = feed(["Traceback (most recent call last):", *frames, OOM])
+    assert events[0].stage == "val"
+    # IPython order: the error first, then the frames; the loop frame still wins
+    events, _ = feed([f"[rank1]: {OOM}", *(f"[rank1]: {f}" for f in frames)])
+    assert events[0].stage == "val"
 
 
 def test_progress_bars_glued_with_carriage_returns() -> None:

@@ -181,9 +181,9 @@ class Detector:
                 else e
                 for e in f.events
             ]
-        # nanwatch follows training runs: a stream says when it validates or tests
-        events = [e if e.stage else dataclasses.replace(e, stage="train") for e in f.events]
-        return events, f.metrics
+        # no stage unless the text names one (a progress line, a traceback frame, the entry
+        # script): an inference server or an evaluation script is not training
+        return f.events, f.metrics
 
     def explain(self, text: str) -> dict[str, Any]:
         """Which rules match ``text`` (one or more lines) and the events it gives."""
@@ -341,14 +341,17 @@ class Detector:
         values: Mapping[str, Any],
         line_no: int,
         hint: bool,
+        weak: bool = False,
     ) -> None:
         stage = values.get("stage")
         if stage is not None:
             stage = normalize_stage(str(stage))
         if hint:
-            if stage:
+            pending = state.hint_stage and line_no - state.hint_line <= HINT_WINDOW
+            if stage and not (weak and pending and not state.hint_weak):
                 state.hint_stage = stage
                 state.hint_line = line_no
+                state.hint_weak = weak
             rank = values.get("rank")
             if rank is not None:
                 try:
@@ -411,7 +414,7 @@ class Detector:
                 k: v.decode("utf-8", "replace") for k, v in m.groupdict().items() if v is not None
             }
             values.update(rule.set)
-            self._set_state(state, values, line_no, True)
+            self._set_state(state, values, line_no, True, rule.entry)
         else:
             chunk_state(plan, g, state)
         if rule.progress:
@@ -516,11 +519,13 @@ class Detector:
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
-            self._set_state(state, values, line_no, rule.hint)
+            self._set_state(state, values, line_no, rule.hint, rule.entry)
             if rule.progress:
                 self._progress(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:
-                self._late_stage(state.hint_stage, prefix_attrs.get("rank"), line_no, f)
+                # every rank runs the entry script: its frame speaks for all of them
+                rank = None if rule.entry else prefix_attrs.get("rank")
+                self._late_stage(state.hint_stage, rank, line_no, f, rule.entry)
             if g.get("ts"):
                 when = self.times.parse(g["ts"])
                 if when:
@@ -580,13 +585,20 @@ class Detector:
             return None
         return m, ms or [m], text, end
 
-    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed) -> None:
-        """Frames printed after the report's first line (IPython): they name its stage too."""
+    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
+        """Frames printed after the report's first line (IPython, a traceback that follows
+        another rank's error line): they name its stage too; a loop frame replaces what the
+        entry script said."""
         for idx in f.opened.values():
             ev = f.events[idx]
-            near = ev.stage is None and line_no - (ev.line or 0) <= BLOCK_LINES
+            open_to = ev.stage is None or (idx in f.weak_stage and not weak)
+            near = open_to and line_no - (ev.line or 0) <= BLOCK_LINES
             if near and (rank is None or ev.rank is None or ev.rank == rank):
                 f.events[idx] = dataclasses.replace(ev, stage=stage)
+                if weak:
+                    f.weak_stage.add(idx)
+                else:
+                    f.weak_stage.discard(idx)
 
     def _event(
         self,
@@ -655,7 +667,9 @@ class Detector:
             fields["stream_time"] = state.last_time
         stage = attrs.get("stage")
         if stage is None and state.hint_stage and line_no - state.hint_line <= HINT_WINDOW:
-            stage = state.hint_stage
+            # the entry script says less than where the stream is now (a marker, a progress line)
+            if not (state.hint_weak and state.stage):
+                stage = state.hint_stage
             state.hint_stage = None
         if stage is None:
             stage = state.stage

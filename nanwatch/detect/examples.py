@@ -107,7 +107,7 @@ def check_example(detector: Detector, item: Rule | Prefix, ex: Example) -> str |
         return "a negative example matched its own rule"
     for key, want in ex.state.items():
         if key == "hint_stage":
-            if out.state.hint_stage != want:
+            if out.state.hint_stage != (None if want is False else want):
                 return f"state hint_stage={out.state.hint_stage!r}, want {want!r}"
             continue
         got = getattr(out.state, key, None)

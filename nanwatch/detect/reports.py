@@ -33,6 +33,7 @@ class Feed:
     first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
     trace: set[str] | None = None  # ids of the rules that matched, when someone asks
+    weak_stage: set[int] = field(default_factory=set)  # events staged by the entry script only
 
 
 def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> None:

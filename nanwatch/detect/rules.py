@@ -58,6 +58,10 @@ Optional rule keys (all backward compatible):
 - context rules whose pattern has a ``loss``/``iter``/``step`` group or ``metrics`` mark an
   iteration line: it closes open failure reports and clears traceback hints. A hint rule may
   also name a ``rank`` (``RankID:8`` in an error line): it stands for the next events' rank.
+- ``entry = true`` on a hint rule: the line names the launch's entry script (a traceback's
+  ``<module>`` frame, torchrun's ``train.py FAILED``): every rank runs it, so it also names the
+  stage of the reports of other ranks printed just before, and it is weaker than a loop frame
+  (``in val_step``), which it never replaces. A stage nothing names stays unknown (null).
 - metric groups named ``*_ms`` are converted to seconds.
 - ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
   ``nanwatch runs --json`` shows and the knowledge base reads):
@@ -244,6 +248,7 @@ class Rule:
     lines: int = 1
     alone: bool = False
     progress: bool = False  # an iteration line: closes failure reports, clears hints
+    entry: bool = False  # a hint from the launch's entry script: weaker than a loop frame
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
 
     @property
@@ -304,6 +309,7 @@ _RULE_KEYS = {
     "lines",
     "alone",
     "facts",
+    "entry",
 }
 _EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "facts", "note"}
 
@@ -463,6 +469,8 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(src, rid, f"metrics.{k}: the pattern has no group named {g!r}")
         if raw.get("hint") and rtype != "context":
             raise _fail(src, rid, "`hint = true` is only for context rules")
+        if raw.get("entry") and not raw.get("hint"):
+            raise _fail(src, rid, "`entry = true` is only for hint rules (add `hint = true`)")
         facts = raw.get("facts", {})
         if facts and rtype != "context":
             raise _fail(src, rid, "`facts` is only for context rules")
@@ -529,6 +537,7 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 alone=bool(raw.get("alone", False)),
                 progress=progress,
                 facts=dict(facts),
+                entry=bool(raw.get("entry", False)),
             )
         )
 
