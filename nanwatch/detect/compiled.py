@@ -275,9 +275,4 @@ def chunk_state(plan: ChunkPlan, g: tuple[bytes | None, ...], state: StreamState
                     pass
         elif v:
             setattr(state, key, str(v))
-    # Epoch-based loops print the iteration within the epoch; the global step follows.
-    if not step_given and state.stage in (None, "train"):
-        if state.epoch is not None and state.iter is not None and state.iters:
-            state.step = (state.epoch - 1) * state.iters + state.iter
-        elif state.iter is not None and state.epoch is None:
-            state.step = state.iter
+    state.follow_step(step_given)

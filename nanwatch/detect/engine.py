@@ -149,6 +149,11 @@ class Detector:
             if is_candidate or (any_prefix is not None and any_prefix.match(chunk, start)):
                 raw = decode_line(chunk[start:end])
                 text, prefix_attrs = self._strip_prefixes(raw, f.trace)
+                if state.pid_ranks and "rank" not in prefix_attrs and "pid" in prefix_attrs:
+                    # an actor's line without a rank: the rank another line of that process named
+                    rank = state.pid_ranks.get(prefix_attrs["pid"])
+                    if rank is not None:
+                        prefix_attrs["rank"] = rank
             if hits is not None:
                 for plan, m in hits:
                     if f.trace is not None:
@@ -249,7 +254,7 @@ class Detector:
                             continue
                         if k in ("rank", "local_rank"):
                             attrs.setdefault(k, int(v))
-                        elif k in ("node", "device"):
+                        elif k in ("node", "device", "pid"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
                     if trace is not None:
@@ -357,6 +362,14 @@ class Detector:
                 try:
                     state.hint_rank = int(rank)
                     state.hint_rank_line = line_no
+                    state.hint_rank_once = False
+                except (TypeError, ValueError):
+                    pass
+            local = values.get("local_rank")
+            if local is not None:
+                try:
+                    state.hint_local_rank = int(local)
+                    state.hint_rank_line = line_no
                 except (TypeError, ValueError):
                     pass
             return
@@ -379,12 +392,7 @@ class Detector:
             launch = {k: str(v) for k, v in values.items() if k in LAUNCH_KEYS and v}
             if launch:
                 state.launch = {**(state.launch or {}), **launch}
-        # Epoch-based loops print the iteration within the epoch; the global step follows.
-        if values.get("step") is None and state.stage in (None, "train"):
-            if state.epoch is not None and state.iter is not None and state.iters:
-                state.step = (state.epoch - 1) * state.iters + state.iter
-            elif state.iter is not None and state.epoch is None:
-                state.step = state.iter
+        state.follow_step(values.get("step") is not None)
 
     @staticmethod
     def _progress(state: StreamState, line_no: int) -> None:
@@ -392,6 +400,7 @@ class Detector:
         state.progress_line = line_no
         state.hint_stage = None
         state.hint_rank = None
+        state.hint_local_rank = None
         if state.blocks:
             state.blocks = {}
 
@@ -520,6 +529,8 @@ class Detector:
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
             self._set_state(state, values, line_no, rule.hint, rule.entry)
+            if rule.hint:
+                self._record_rank(state, values, prefix_attrs, line_no)
             if rule.progress:
                 self._progress(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:
@@ -584,6 +595,28 @@ class Detector:
         if m is None:
             return None
         return m, ms or [m], text, end
+
+    @staticmethod
+    def _record_rank(
+        state: StreamState, values: Mapping[str, Any], prefix_attrs: Mapping[str, Any], line_no: int
+    ) -> None:
+        """A hint line (a traceback's header or frame) whose prefix names a rank lends it to
+        the next unprefixed event of its record; a rank a process's line names is that
+        process's (its other lines carry only its pid)."""
+        prefix_rank = prefix_attrs.get("rank")
+        if prefix_rank is not None and values.get("rank") is None:
+            state.hint_rank = prefix_rank
+            state.hint_rank_line = line_no
+            state.hint_rank_once = True
+        pid = prefix_attrs.get("pid")
+        if pid is not None and prefix_rank is None and values.get("rank") is not None:
+            try:
+                rank = int(values["rank"])
+            except (TypeError, ValueError):
+                return
+            known = state.pid_ranks or {}
+            if known.get(pid) != rank and len(known) < 4096:
+                state.pid_ranks = {**known, pid: rank}
 
     def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
         """Frames printed after the report's first line (IPython, a traceback that follows
@@ -674,11 +707,18 @@ class Detector:
         if stage is None:
             stage = state.stage
         rank = prefix_attrs.get("rank", attrs.get("rank"))
+        near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
         if rank is None and state.hint_rank is not None:
-            rank = state.hint_rank if line_no - state.hint_rank_line <= RANK_HINT_WINDOW else None
+            rank = state.hint_rank if near else None
+            if state.hint_rank_once:
+                state.hint_rank = None
         if rank is None:
             rank = state.rank
-        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank", state.local_rank))
+        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank"))
+        if local_rank is None and state.hint_local_rank is not None and near:
+            local_rank = state.hint_local_rank
+        if local_rank is None:
+            local_rank = state.local_rank
         if rank is None and local_rank is not None:
             rank = local_rank  # a local rank stands in when nothing names the global one
         message = text.strip()

@@ -111,9 +111,10 @@ def check_example(detector: Detector, item: Rule | Prefix, ex: Example) -> str |
                 return f"state hint_stage={out.state.hint_stage!r}, want {want!r}"
             continue
         got = getattr(out.state, key, None)
-        if want is False:  # "sets nothing": a value that must not be read from the line
-            if got:
-                return f"state {key}={got!r}, want nothing"
+        if want is False:  # "sets nothing": a value that must not be read from the lines
+            ev_got = getattr(events[0], key, None) if events else None
+            if got or ev_got is not None:
+                return f"state {key}={got if got else ev_got!r}, want nothing"
             continue
         # prefixes set per-line attributes, not stream state: check the event or the metric
         if got is None and events:
