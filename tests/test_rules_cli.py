@@ -128,6 +128,14 @@ def test_check_runs_a_pack_folder_and_the_shipped_examples(tmp_path: Path) -> No
     assert int(first[0]) > 400
 
 
+def test_check_of_a_folder_the_config_also_names(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, SITE_PACK)
+    res = CliRunner().invoke(
+        cli, ["rules", "--config", str(cfg), "--check", str(tmp_path / "site")]
+    )
+    assert res.exit_code == 0, res.output
+
+
 def test_check_fails_on_an_example_its_rule_does_not_match(tmp_path: Path) -> None:
     site = tmp_path / "packs"
     site.mkdir()

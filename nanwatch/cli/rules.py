@@ -16,7 +16,9 @@ def _load(config_path: Path | None, extra: tuple[Path, ...] = (), check: bool = 
     from ..detect import load_rules
 
     config = load_config(config_path)
-    return load_rules([*extra, *config.detect.rule_dirs], check=check)
+    extra_dirs = {p.resolve() for p in extra}
+    site = [d for d in config.detect.rule_dirs if Path(d).resolve() not in extra_dirs]
+    return load_rules([*extra, *site], check=check)
 
 
 @click.command()
