@@ -149,7 +149,7 @@ def test_the_oom_has_a_memory_panel_with_validation_shaded(incidents: dict[str, 
 
     inc, rows = incidents["oom"]
     fig = build_figure(inc, rows)
-    assert [ax.get_ylabel() for ax in fig.axes] == ["memory (MB)", "loss", "step time (s)"]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["memory (MiB)", "loss", "step time (s)"]
     mem = fig.axes[0]
     assert mem.get_xlabel() == "" and fig.axes[-1].get_xlabel() == "time (UTC)"
     val_times = sorted(mdates.date2num(_utc(r["time"])) for r in rows if r["stage"] == "val")
@@ -171,3 +171,69 @@ def _utc(text: str) -> Any:
     import datetime as dt
 
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def test_the_oom_panel_shows_what_the_allocator_said(incidents: dict[str, Any]) -> None:
+    inc, rows = incidents["oom"]
+    (said,) = [r for r in rows if r["series"] == "oom"]
+    assert said["rank"] == 3 and round(said["allocated"]) == 58696  # MiB, as mmengine logs
+    fig = build_figure(inc, rows)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {
+        "device total 61 GiB",
+        "allocated at the failure 57.3 GiB",
+        "tried to allocate 1.17 GiB",
+    } <= set(labels)
+    # seconds of validation after minutes of training stay visible: at least a tenth of the axis
+    mem = fig.axes[0]
+    (span,) = [p for p in mem.patches if p.get_label() == "validation"]
+    lo, hi = mem.get_xlim()
+    assert span.get_width() / (hi - lo) > 0.1  # type: ignore[attr-defined]
+
+
+def test_validation_spans_follow_the_clock_across_the_hour() -> None:
+    import matplotlib.dates as mdates
+
+    def row(t: str, stage: str, step: int) -> dict[str, Any]:
+        return {
+            "rank": 0,
+            "step": step,
+            "stage": stage,
+            "time": f"2026-11-30T{t}.000Z",
+            "loss": 1.0,
+            "grad_norm": 1.0,
+            "step_time": 0.5,
+            "data_time": 0.01,
+            "memory": 900.0 if stage == "val" else 1000.0,
+            "series": "current",
+        }
+
+    rows = [
+        row("09:59:40", "train", 10),
+        row("09:59:50", "train", 20),
+        row("09:59:58", "val", 20),
+        row("10:00:04", "val", 20),
+        row("10:00:10", "train", 30),
+        row("10:00:20", "train", 40),
+        row("10:00:27", "val", 40),
+    ]
+    inc = {
+        "id": 7,
+        "kind": "oom",
+        "title": "Out of memory on rank 0 in validation",
+        "origin": {"rank": 0, "step": 40, "stage": "val", "time": "2026-11-30T10:00:30.000Z"},
+    }
+    fig = build_figure(inc, rows)
+    spans = sorted(
+        (p.get_x(), p.get_x() + p.get_width())  # type: ignore[attr-defined]
+        for p in fig.axes[0].patches
+        if p.get_label() in ("validation", "_validation")
+    )
+    at = [mdates.date2num(_utc(f"2026-11-30T{t}Z")) for t in ("09:59:50", "10:00:04")]
+    assert len(spans) == 2
+    assert spans[0] == pytest.approx(at, abs=1e-7)  # dates are days: 1e-7 is 9 ms
+    # the second runs from the last training row to the failure, after the last val row
+    assert spans[1] == pytest.approx(
+        [mdates.date2num(_utc(f"2026-11-30T{t}Z")) for t in ("10:00:20", "10:00:30")],
+        abs=1e-7,
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
+import json
 import math
 import sqlite3
 import textwrap
@@ -48,7 +49,7 @@ _LABELS = {
     "grad_norm": "grad norm",
     "step_time": "step time (s)",
     "data_time": "data time (s)",
-    "memory": "memory (MB)",
+    "memory": "memory (MiB)",  # mmengine's `memory:` is max_memory_allocated() / 2**20
 }
 _ORIGIN = "tab:blue"  # the origin rank; every other rank is grey
 _CURRENT = "tab:orange"  # a slow run's ranks, beside its baseline run in _ORIGIN's blue
@@ -82,6 +83,8 @@ def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[d
     else:
         lo, hi = step - BEFORE, step + AFTER
     out = _rows(conn, run_id, lo, hi, "current", train_only=False)
+    if incident.get("kind") == "oom":
+        out += _oom_row(conn, incident)
     against = origin.get("against")
     if incident.get("kind") == "slowdown" and against and against != "own":
         base = conn.execute(
@@ -103,6 +106,31 @@ def _rows(
         (run_id, lo, hi),
     )
     return [dict(zip(_COLUMNS, r), series=series) for r in cur]
+
+
+def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the allocator said when it failed (``series`` ``"oom"``), in MiB like mmengine's
+    ``memory``: allocated, requested, device total."""
+    origin = incident.get("origin") or {}
+    row = conn.execute(
+        "SELECT rank, step, stage, fields FROM events WHERE id = ? AND kind = 'oom'",
+        (origin.get("event_id"),),
+    ).fetchone()
+    if row is None:
+        return []
+    try:
+        fields = json.loads(row[3])
+    except ValueError:
+        return []
+    mib = {
+        k: fields[k] / 2**20
+        for k in ("allocated", "reserved", "total", "bytes_requested")
+        if isinstance(fields, dict) and _finite(fields.get(k))
+    }
+    if "allocated" not in mib:
+        return []
+    out = dict(zip(("rank", "step", "stage"), row[:3]), time=origin.get("time"), series="oom")
+    return [{**out, **mib}]
 
 
 def _finite(v: Any) -> bool:
@@ -170,7 +198,9 @@ def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]])
     axes: list[Axes] = list(grid[:, 0])
     ranks = _draw_ranks(axes, cols, current, baseline, origin, by_time)
     if by_time:
-        _shade_validation(axes, current, origin)
+        span = _shade_validation(axes, current, origin)
+        if span is not None:
+            _zoom(axes[0], *span)
     mark = _when(origin.get("time")) if by_time else origin.get("step")
     if mark is not None:
         for i, ax in enumerate(axes):
@@ -181,6 +211,13 @@ def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]])
                 linewidth=1,
                 label=_origin_label(kind, origin) if i == 0 else "_origin",
             )
+    oom = next((r for r in rows if r.get("series") == "oom"), None)
+    if oom is not None and "memory" in cols:
+        _oom_marks(axes[cols.index("memory")], oom, mark)
+    if kind == "slowdown" and "data_time" in cols:
+        # from zero: a flat data time a hair above it says the loader is not the cause
+        ax = axes[cols.index("data_time")]
+        ax.set_ylim(0, max(ax.get_ylim()[1], 0.05))
     if kind == "slowdown" and "step_time" in cols:
         _baseline_lines(axes[cols.index("step_time")], origin)
     for ax, col in zip(axes, cols):
@@ -302,12 +339,13 @@ def _draw_ranks(
 
 def _shade_validation(
     axes: Sequence[Axes], rows: Sequence[Mapping[str, Any]], origin: Mapping[str, Any]
-) -> None:
+) -> tuple[Any, Any] | None:
     """Shade each stretch of validation/test rows: from the last training row before it
     (validation starts when training stops; its first line comes an interval later) to its
-    last row, or to the origin's time when the origin is in it and comes later."""
-    marks = sorted({(_when(r["time"]), r.get("stage") or "train") for r in rows}, key=str)
-    spans: list[list[Any]] = []
+    last row, or to the origin's time when the origin is in it and comes later. Returns the
+    stretch the origin is in."""
+    marks = sorted({(_when(r["time"]), r.get("stage") or "train") for r in rows})
+    spans: list[list[Any]] = []  # [start, end, closed by, stage]
     prev_train = None
     for when, stage in marks:
         if stage == "train":
@@ -317,21 +355,72 @@ def _shade_validation(
         elif spans and spans[-1][2] is None:
             spans[-1][1] = when
         else:
-            spans.append([prev_train or when, when, None])
+            spans.append([prev_train or when, when, None, stage])
     at = _when(origin.get("time"))
-    for i, (start, end, closed) in enumerate(spans):
-        in_it = at is not None and start <= at and (closed is None or at < closed)
-        if in_it and origin.get("stage") in ("val", "test"):
-            end = max(end, at)
+    found = None
+    labelled: set[str] = set()
+    for start, end, closed, stage in spans:
+        if at is not None and start <= at and (closed is None or at < closed):
+            if origin.get("stage") == stage:
+                end = max(end, at)
+            found = (start, end)
+        name = "validation" if stage == "val" else "testing"
         for ax in axes:
             ax.axvspan(
                 start,
                 end,
-                color="gold",
+                color="gold" if stage == "val" else "plum",
                 alpha=0.25,
                 zorder=0,
-                label="validation" if i == 0 else "_validation",
+                label=name if name not in labelled else f"_{name}",
             )
+        labelled.add(name)
+    return found
+
+
+def _zoom(ax: Axes, start: _dt.datetime, end: _dt.datetime) -> None:
+    """A validation of seconds after hours of training would be a hairline: show the training
+    before it over at most five times its length (the axes share x)."""
+    from matplotlib import dates as mdates
+
+    lo, _ = ax.get_xlim()
+    width = max(end - start, _dt.timedelta(seconds=1))
+    left = max(mdates.num2date(lo), start - 5 * width)  # type: ignore[no-untyped-call]
+    ax.set_xlim(left, end + width * 0.3)  # type: ignore[arg-type]
+
+
+def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
+    """At the failure: what was allocated, what was asked for on top, the device's total."""
+    if at is None:
+        return
+    allocated = float(oom["allocated"])
+    if _finite(oom.get("total")):
+        ax.axhline(
+            oom["total"],
+            color="0.3",
+            linestyle=":",
+            linewidth=1.2,
+            label=f"device total {oom['total'] / 1024:.3g} GiB",
+        )
+    ax.scatter(
+        [at],
+        [allocated],
+        color=_MARK,
+        marker="o",
+        s=30,
+        zorder=5,
+        label=f"allocated at the failure {allocated / 1024:.3g} GiB",
+    )
+    if _finite(oom.get("bytes_requested")):
+        ax.vlines(
+            at,
+            allocated,
+            allocated + float(oom["bytes_requested"]),
+            color=_MARK,
+            linewidth=4,
+            zorder=5,
+            label=f"tried to allocate {oom['bytes_requested'] / 1024:.3g} GiB",
+        )
 
 
 def _baseline_lines(ax: Axes, origin: Mapping[str, Any]) -> None:
