@@ -191,31 +191,45 @@ def test_the_oom_panel_shows_what_the_allocator_said(incidents: dict[str, Any]) 
     assert span.get_width() / (hi - lo) > 0.1  # type: ignore[attr-defined]
 
 
+def _row(t: str, stage: str, step: int, rank: int | None = 0) -> dict[str, Any]:
+    """A metrics row as metrics_for returns it."""
+    return {
+        "rank": rank,
+        "step": step,
+        "stage": stage,
+        "time": f"2026-11-30T{t}.000Z",
+        "loss": 1.0,
+        "grad_norm": 1.0,
+        "step_time": 0.5,
+        "data_time": 0.01,
+        "memory": 900.0 if stage == "val" else 1000.0,
+        "series": "current",
+    }
+
+
+def test_a_log_without_rank_numbers_says_nothing_of_ranks() -> None:
+    rows = [_row(f"10:00:{s:02d}", "train", s) for s in range(10, 60, 10)]
+    for r in rows:
+        r["rank"] = None
+    inc = {"id": 4, "kind": "nan", "title": "NaN loss", "origin": {"rank": None, "step": 30}}
+    fig = build_figure(inc, rows)
+    fig.canvas.draw()
+    assert not [t for t in texts(fig) if "None" in t or "rank" in t]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["this run", "origin: step 30"]
+
+
 def test_validation_spans_follow_the_clock_across_the_hour() -> None:
     import matplotlib.dates as mdates
 
-    def row(t: str, stage: str, step: int) -> dict[str, Any]:
-        return {
-            "rank": 0,
-            "step": step,
-            "stage": stage,
-            "time": f"2026-11-30T{t}.000Z",
-            "loss": 1.0,
-            "grad_norm": 1.0,
-            "step_time": 0.5,
-            "data_time": 0.01,
-            "memory": 900.0 if stage == "val" else 1000.0,
-            "series": "current",
-        }
-
     rows = [
-        row("09:59:40", "train", 10),
-        row("09:59:50", "train", 20),
-        row("09:59:58", "val", 20),
-        row("10:00:04", "val", 20),
-        row("10:00:10", "train", 30),
-        row("10:00:20", "train", 40),
-        row("10:00:27", "val", 40),
+        _row("09:59:40", "train", 10),
+        _row("09:59:50", "train", 20),
+        _row("09:59:58", "val", 20),
+        _row("10:00:04", "val", 20),
+        _row("10:00:10", "train", 30),
+        _row("10:00:20", "train", 40),
+        _row("10:00:27", "val", 40),
     ]
     inc = {
         "id": 7,

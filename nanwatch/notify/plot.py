@@ -259,7 +259,7 @@ def _draw_ranks(
         by_rank.setdefault(r["rank"], []).append(r)
     ranks = sorted(by_rank, key=lambda k: (k is None, k if k is not None else 0))
     hot = origin.get("rank")
-    if hot in by_rank:
+    if hot is not None and hot in by_rank:
         ranks.remove(hot)
         ranks.insert(0, hot)
     else:
@@ -294,18 +294,21 @@ def _draw_ranks(
                 bad_x += [
                     _when(p["time"]) if by_time else p["step"] for p in pts if not _finite(p[col])
                 ]
-            if rank == hot:
+            if hot is not None and rank == hot:
                 style: dict[str, Any] = {"color": _ORIGIN, "linewidth": 1.8, "zorder": 3}
                 label = f"rank {rank} (origin)"
             elif baseline:
                 style = {"color": _CURRENT, "linewidth": 0.8, "alpha": 0.7}
-                label = f"this run (ranks {ranks_text(named)})" if first_other else "_rank"
+                text = f"this run (ranks {ranks_text(named)})" if named else "this run"
+                label = text if first_other else "_rank"
                 first_other = False
             else:
                 others = [r for r in named if r != hot]
                 style = {"color": _OTHERS, "linewidth": 0.7, "alpha": 0.7}
                 head = "other ranks" if hot is not None else "ranks"
-                label = f"{head} {ranks_text(others)}" if first_other else "_rank"
+                # a log without rank numbers is one unnamed rank
+                text = f"{head} {ranks_text(others)}" if others else "this run"
+                label = text if first_other else "_rank"
                 first_other = False
             (line,) = ax.plot(xs, ys, label=label, **style)
             line.set_gid(f"rank {rank}")
