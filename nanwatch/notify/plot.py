@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
-import json
-import math
-import sqlite3
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,25 +22,15 @@ from typing import TYPE_CHECKING, Any
 from ..errors import NanwatchError
 from ..events import parse_utc, ranks_text
 from ..render import where_text
+from .plot_rows import finite, metrics_for
+
+__all__ = ["PlotUnavailable", "build_figure", "metrics_for", "render_png"]
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-BEFORE = 200  # steps shown before the origin
-AFTER = 100
 MAX_RANKS = 16  # more lines than this is a texture, not a plot
-_COLUMNS = (
-    "rank",
-    "step",
-    "stage",
-    "time",
-    "loss",
-    "grad_norm",
-    "step_time",
-    "data_time",
-    "memory",
-)
 _LABELS = {
     "loss": "loss",
     "grad_norm": "grad norm",
@@ -59,82 +46,6 @@ _MARK = "tab:red"
 
 class PlotUnavailable(NanwatchError):
     """matplotlib is not installed, or there is nothing to draw."""
-
-
-def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Metric rows of the incident's run around its origin (every rank, every stage), and for a
-    slowdown measured against another run, that run's training rows over the same steps
-    (``series`` is ``"baseline"`` on those, ``"current"`` on the others)."""
-    row = conn.execute(
-        "SELECT run_id FROM incidents WHERE id = ?", (incident.get("id"),)
-    ).fetchone()
-    if row is None or row[0] is None:
-        return []
-    run_id = row[0]
-    origin = incident.get("origin") or {}
-    step = origin.get("step")
-    if step is None:
-        last = conn.execute(
-            "SELECT max(step) FROM metrics WHERE run_id = ? AND step IS NOT NULL", (run_id,)
-        ).fetchone()[0]
-        if last is None:
-            return []
-        lo, hi = last - BEFORE - AFTER, last
-    else:
-        lo, hi = step - BEFORE, step + AFTER
-    out = _rows(conn, run_id, lo, hi, "current", train_only=False)
-    if incident.get("kind") == "oom":
-        out += _oom_row(conn, incident)
-    against = origin.get("against")
-    if incident.get("kind") == "slowdown" and against and against != "own":
-        base = conn.execute(
-            "SELECT id FROM runs WHERE name = ? AND id != ? ORDER BY id DESC LIMIT 1",
-            (against, run_id),
-        ).fetchone()
-        if base is not None:
-            out += _rows(conn, base[0], lo, hi, "baseline", train_only=True)
-    return out
-
-
-def _rows(
-    conn: sqlite3.Connection, run_id: int, lo: int, hi: int, series: str, *, train_only: bool
-) -> list[dict[str, Any]]:
-    stage = "AND (stage IS NULL OR stage = 'train') " if train_only else ""
-    cur = conn.execute(
-        f"SELECT {', '.join(_COLUMNS)} FROM metrics WHERE run_id = ? AND step BETWEEN ? AND ? "
-        f"{stage}ORDER BY rank, step, id LIMIT 50000",
-        (run_id, lo, hi),
-    )
-    return [dict(zip(_COLUMNS, r), series=series) for r in cur]
-
-
-def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """What the allocator said when it failed (``series`` ``"oom"``), in MiB like mmengine's
-    ``memory``: allocated, requested, device total."""
-    origin = incident.get("origin") or {}
-    row = conn.execute(
-        "SELECT rank, step, stage, fields FROM events WHERE id = ? AND kind = 'oom'",
-        (origin.get("event_id"),),
-    ).fetchone()
-    if row is None:
-        return []
-    try:
-        fields = json.loads(row[3])
-    except ValueError:
-        return []
-    mib = {
-        k: fields[k] / 2**20
-        for k in ("allocated", "reserved", "total", "bytes_requested")
-        if isinstance(fields, dict) and _finite(fields.get(k))
-    }
-    if "allocated" not in mib:
-        return []
-    out = dict(zip(("rank", "step", "stage"), row[:3]), time=origin.get("time"), series="oom")
-    return [{**out, **mib}]
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _when(text: Any) -> _dt.datetime | None:
@@ -284,15 +195,15 @@ def _draw_ranks(
                     (p for p in pts if col == "memory" or p.get("stage") in (None, "train")),
                     key=lambda p: str(p["time"]),
                 )
-                xs: list[Any] = [_when(p["time"]) for p in pts if _finite(p[col])]
+                xs: list[Any] = [_when(p["time"]) for p in pts if finite(p[col])]
             else:
                 pts = [p for p in pts if p.get("stage") in (None, "train")]
-                xs = [p["step"] for p in pts if _finite(p[col])]
-            ys = [p[col] for p in pts if _finite(p[col])]
+                xs = [p["step"] for p in pts if finite(p[col])]
+            ys = [p[col] for p in pts if finite(p[col])]
             # SQLite stores NaN as NULL: a logged row without the value was non-finite
             if xs and col in ("loss", "grad_norm"):
                 bad_x += [
-                    _when(p["time"]) if by_time else p["step"] for p in pts if not _finite(p[col])
+                    _when(p["time"]) if by_time else p["step"] for p in pts if not finite(p[col])
                 ]
             if hot is not None and rank == hot:
                 style: dict[str, Any] = {"color": _ORIGIN, "linewidth": 1.8, "zorder": 3}
@@ -314,7 +225,7 @@ def _draw_ranks(
             line.set_gid(f"rank {rank}")
         first_base = True
         for rank, pts in sorted(base_ranks.items(), key=lambda kv: str(kv[0])):
-            pts = [p for p in pts if _finite(p[col])]
+            pts = [p for p in pts if finite(p[col])]
             label = f"baseline run {base_name} (ranks {base_text})" if first_base else "_baseline"
             first_base = False
             (line,) = ax.plot(
@@ -397,7 +308,7 @@ def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
     if at is None:
         return
     allocated = float(oom["allocated"])
-    if _finite(oom.get("total")):
+    if finite(oom.get("total")):
         ax.axhline(
             oom["total"],
             color="0.3",
@@ -414,7 +325,7 @@ def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
         zorder=5,
         label=f"allocated at the failure {allocated / 1024:.3g} GiB",
     )
-    if _finite(oom.get("bytes_requested")):
+    if finite(oom.get("bytes_requested")):
         ax.vlines(
             at,
             allocated,
@@ -428,7 +339,7 @@ def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
 
 def _baseline_lines(ax: Axes, origin: Mapping[str, Any]) -> None:
     base, cur = origin.get("baseline"), origin.get("current")
-    if not (_finite(base) and _finite(cur)) or base <= 0:  # type: ignore[operator]
+    if not (finite(base) and finite(cur)) or base <= 0:  # type: ignore[operator]
         return
     base, cur = float(base), float(cur)  # type: ignore[arg-type]
     own = origin.get("against") in (None, "own")
@@ -440,7 +351,7 @@ def _baseline_lines(ax: Axes, origin: Mapping[str, Any]) -> None:
         label=f"baseline {base:.3g} s" + (" (this run's steady steps)" if own else ""),
     )
     ax.axhline(cur, color=_CURRENT, linestyle=":", linewidth=1.5, label=f"slow {cur:.3g} s")
-    ratio = origin.get("ratio") if _finite(origin.get("ratio")) else cur / base
+    ratio = origin.get("ratio") if finite(origin.get("ratio")) else cur / base
     ax.annotate(
         f"{base:.3g} s -> {cur:.3g} s ({ratio:.1f}x)",
         xy=(0.99, cur),
