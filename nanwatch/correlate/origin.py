@@ -3,6 +3,11 @@
 ``origin_for(kind)`` returns the function that computes an incident's origin from its events.
 Kinds register their own (NaN localisation across ranks and tensor families has one); the
 default takes the earliest event by (step, time, rank).
+
+A caused incident (an OOM or a process failure that other ranks' timeouts follow from) takes its
+origin from its root event: the event of the incident's own kind that happened first, never from
+one of its symptoms, whatever their steps and times say. The root moves only on evidence (another
+event of the root's kind known to be earlier); an equal or unknown time keeps the one chosen.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..store.db import EVENT_COLUMNS, Store
+from .chains import event_time
 
 OriginFn = Callable[[sqlite3.Connection, int], tuple[dict[str, Any] | None, dict[str, Any]]]
 """(connection, incident id) -> (the root event or None, the origin block)."""
@@ -44,14 +50,50 @@ def sort_key(ev: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def earliest_event(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
-    rows = conn.execute(
+    # the same order as sort_key, in SQL: an incident may hold thousands of events
+    row = conn.execute(
         f"SELECT {EVENT_COLUMNS} FROM events WHERE incident_id=? "
-        "ORDER BY step IS NULL, step, id LIMIT 200",
+        "ORDER BY step IS NULL, step, "
+        "coalesce(time, json_extract(fields, '$.stream_time'), '~'), "
+        "rank IS NULL, rank, id LIMIT 1",
         (incident_id,),
-    ).fetchall()
-    if not rows:
+    ).fetchone()
+    return Store._event(row) if row else None
+
+
+def _root_key(ev: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Which of two events of the root's kind came first: a known time before an unknown one,
+    then the time (a traceback's is the last time its stream printed), then the step; an
+    event that says where it happened before one that does not."""
+    t = event_time(ev)
+    step = ev.get("step")
+    located = ev.get("rank") is not None or ev.get("local_rank") is not None
+    return (t is None, t or 0.0, step is None, step or 0, not located)
+
+
+def root_event(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
+    """The incident's root: its first event of the incident's own kind. The one chosen before
+    stays unless another is known to be earlier (ties and missing times keep it)."""
+    row = conn.execute(
+        "SELECT kind, root_event_id FROM incidents WHERE id = ?", (incident_id,)
+    ).fetchone()
+    if row is None:
         return None
-    return min((Store._event(r) for r in rows), key=sort_key)
+    kind, held_id = row
+    evs = [
+        Store._event(r)
+        for r in conn.execute(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE incident_id = ? AND kind = ? ORDER BY id",
+            (incident_id, kind),
+        )
+    ]
+    if not evs:
+        return earliest_event(conn, incident_id)
+    best = min(evs, key=_root_key)  # min keeps the first arrived of equals
+    held = next((e for e in evs if e["id"] == held_id), None)
+    if held is not None and not _root_key(best) < _root_key(held):
+        return held
+    return best
 
 
 def origin_of(ev: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,3 +127,14 @@ def earliest_event_origin(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     ev = earliest_event(conn, incident_id)
     return ev, (origin_of(ev) if ev else {})
+
+
+def root_event_origin(
+    conn: sqlite3.Connection, incident_id: int
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    ev = root_event(conn, incident_id)
+    return ev, (origin_of(ev) if ev else {})
+
+
+for _kind in ("oom", "process_failure"):
+    register(_kind)(root_event_origin)

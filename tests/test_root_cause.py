@@ -1,0 +1,119 @@
+"""A caused incident's origin, title and story come from its root event, never a symptom."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nanwatch.config import Config
+from nanwatch.pipeline import Pipeline
+from nanwatch.query import list_incidents
+from nanwatch.simulate import hccl_ei0002, mmengine_iter_line, npu_oom_traceback
+from nanwatch.store import Store
+
+T0 = dt.datetime(2026, 11, 30, 10, 0, 0)
+
+
+def scan(db: Path, *paths: Path) -> list[dict[str, Any]]:
+    store = Store.open(db)
+    try:
+        Pipeline(Config(), store, [str(p) for p in paths]).scan()
+        return list_incidents(store.conn)
+    finally:
+        store.close()
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def train_line(seconds: float, it: int = 10) -> str:
+    return mmengine_iter_line(at(seconds), "train", 1, it, 100, step_time=0.5, losses={"loss": 1})
+
+
+def val_line(seconds: float, it: int = 10) -> str:
+    return mmengine_iter_line(at(seconds), "val", 2, it, 50, step_time=0.24, lr=None)
+
+
+def assert_rooted_at_rank_3(inc: dict[str, Any], others: int = 7) -> None:
+    assert inc["kind"] == "oom"
+    assert inc["origin"]["rank"] == 3
+    assert inc["title"].startswith("Out of memory on rank 3")
+    assert f"{others} other ranks then timed out" in inc["title"]
+    assert inc["detail"]["root_cause"].startswith("Rank 3 ran out of device memory")
+    assert 3 not in inc["detail"]["symptom_ranks"]
+
+
+@pytest.mark.parametrize("when", ["missing", "equal", "later"])
+def test_the_oom_roots_the_incident_whatever_its_time_says(
+    tmp_path: Path, db: Path, when: str
+) -> None:
+    """Rank 3 runs out of memory; the seven others then time out in HCCL naming it. The OOM's
+    traceback has no time of its own (missing: not even a line before it in its file), one
+    equal to rank 0's timeout, or one later than the timeouts (node clocks disagree); rank 0
+    itself was in validation."""
+    run = tmp_path / "job"
+    oom_at = {"missing": None, "equal": 1800.0, "later": 2400.0}[when]
+    for r in range(8):
+        if r == 3:
+            if oom_at is None:
+                write_lines(run / "rank3.log", [train_line(0.0)])
+                write_lines(run / "rank3.err", npu_oom_traceback(3))
+            else:
+                write_lines(run / "rank3.log", [val_line(oom_at), *npu_oom_traceback(3)])
+            continue
+        before = val_line(1790.0) if r == 0 else train_line(0.0)
+        write_lines(run / f"rank{r}.log", [before, *hccl_ei0002(at(1800.0 + r), r, 3, pid=r)])
+    (inc,) = scan(db, run)
+    assert_rooted_at_rank_3(inc)
+    assert inc["ranks"] == list(range(8)) and inc["event_count"] == 8
+
+
+def test_a_root_behind_more_than_200_symptoms(tmp_path: Path, db: Path) -> None:
+    """255 ranks' timeouts (each with its step) are read first; rank 3's log arrives later
+    (copied from its node): the OOM takes them over and roots the incident."""
+    run = tmp_path / "job"
+    for r in range(256):
+        if r != 3:
+            lines = [train_line(0.0), *hccl_ei0002(at(1800.0 + r / 100), r, 3, pid=r)]
+            write_lines(run / f"rank{r}.log", lines)
+    (orphan,) = scan(db, run)
+    assert orphan["kind"] == "comm_timeout"
+    write_lines(run / "rank3.log", [train_line(0.0), *npu_oom_traceback(3)])
+    (inc,) = scan(db, run)
+    assert_rooted_at_rank_3(inc, others=255)
+    assert inc["event_count"] == 256
+
+
+def oom_on(run: Path, rank: int, seconds: float) -> None:
+    lines = [val_line(seconds), *npu_oom_traceback(rank)]
+    write_lines(run / f"rank{rank}.log", [x.replace("(NPU 3;", f"(NPU {rank};") for x in lines])
+
+
+def test_an_equal_or_unknown_time_does_not_move_the_root(tmp_path: Path, db: Path) -> None:
+    run = tmp_path / "job"
+    oom_on(run, 5, 60.0)
+    (first,) = scan(db, run)
+    assert first["origin"]["rank"] == 5
+    oom_on(run, 2, 60.0)  # another rank's OOM, read later, at the same time
+    write_lines(run / "rank4.err", npu_oom_traceback(4))  # and one with no time at all
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "oom" and inc["ranks"] == [2, 4, 5]
+    assert inc["origin"]["rank"] == 5 and inc["title"].startswith("Out of memory on rank 5")
+
+
+def test_an_oom_known_to_be_earlier_moves_the_root(tmp_path: Path, db: Path) -> None:
+    run = tmp_path / "job"
+    oom_on(run, 5, 60.0)
+    scan(db, run)
+    oom_on(run, 2, 30.0)
+    (inc,) = scan(db, run)
+    assert inc["origin"]["rank"] == 2 and inc["title"].startswith("Out of memory on rank 2")
