@@ -117,3 +117,71 @@ def test_an_oom_known_to_be_earlier_moves_the_root(tmp_path: Path, db: Path) -> 
     oom_on(run, 2, 30.0)
     (inc,) = scan(db, run)
     assert inc["origin"]["rank"] == 2 and inc["title"].startswith("Out of memory on rank 2")
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("first", ["launcher", "workers"])
+def test_a_watchdog_abort_is_the_timeouts_effect_whichever_log_is_read_first(
+    tmp_path: Path, db: Path, first: str
+) -> None:
+    """The NCCL watchdog takes rank 0's process down; torchrun reports the exit (-6,
+    SIGABRT). Read in either order, the timeout is the root and the exit its effect."""
+    text = (FIXTURES / "nccl_watchdog_teardown" / "train.log").read_text().splitlines()
+    parts = {
+        "workers": [x for x in text if x.startswith("[rank")],
+        "launcher": [x for x in text if not x.startswith("[rank")],
+    }
+    run = tmp_path / "job"
+    second = "launcher" if first == "workers" else "workers"
+    write_lines(run / f"{first}.log", parts[first])
+    (alone,) = scan(db, run)
+    assert alone["kind"] == ("process_failure" if first == "launcher" else "comm_timeout")
+    write_lines(run / f"{second}.log", parts[second])
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "comm_timeout" and inc["ranks"] == [0, 1, 3]
+    assert inc["event_count"] == 4 and inc["origin"]["rank"] == 0
+    assert inc["detail"]["exited_ranks"] == [0]
+    assert "watchdogs took the processes down" in inc["detail"]["root_cause"]
+
+
+def torchrun_exit(seconds: float, rank: int, code: int) -> list[str]:
+    stamp = at(seconds).strftime("%Y-%m-%d %H:%M:%S,000")
+    return [
+        f"[{stamp}] torch.distributed.elastic.multiprocessing.api: [ERROR] failed "
+        f"(exitcode: {code}) local_rank: {rank} (pid: {4700 + rank}) of binary: /usr/bin/python3"
+    ]
+
+
+def watchdog_timeout(seconds: float, rank: int) -> list[str]:
+    t = at(seconds)
+    stamp = f"E{t:%m%d %H:%M:%S}.000000000"
+    return [
+        f"[rank{rank}]:[{stamp} ProcessGroupNCCL.cpp:616] [Rank {rank}] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1024, "
+        "NumelOut=1024, Timeout(ms)=600000) ran for 600031 milliseconds before timing out.",
+        f"[rank{rank}]:[{stamp} ProcessGroupNCCL.cpp:636] [Rank {rank}] To avoid data "
+        "inconsistency, we are taking the entire process down.",
+    ]
+
+
+def test_an_abort_without_a_failure_of_its_own_rank_stays_the_root(
+    tmp_path: Path, db: Path
+) -> None:
+    """Rank 0 aborts (a C++ assert) at 10:00; rank 1 times out waiting for it ten minutes
+    later, and its watchdog takes it down: rank 0's exit is the root."""
+    run = tmp_path / "job"
+    write_lines(run / "launcher.log", [*torchrun_exit(5.0, 0, -6), *torchrun_exit(610.0, 1, -6)])
+    write_lines(run / "rank1.log", watchdog_timeout(605.0, 1))
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 0
+    assert inc["ranks"] == [0, 1] and inc["event_count"] == 3
+
+
+def test_an_exit_long_after_its_ranks_timeout_is_not_its_effect(tmp_path: Path, db: Path) -> None:
+    run = tmp_path / "job"
+    write_lines(run / "rank1.log", watchdog_timeout(0.0, 1))
+    write_lines(run / "launcher.log", torchrun_exit(3 * 3600.0, 1, -6))
+    kinds = sorted(i["kind"] for i in scan(db, run))
+    assert kinds == ["comm_timeout", "process_failure"]

@@ -23,9 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import format_utc, now_utc
-from ..store.db import Store
+from ..store.db import EVENT_COLUMNS, Store
 from . import samples, slowdown
-from .chains import ROOT_KINDS, SYMPTOM_KINDS, Root, Timeouts, absorbs, links, roots_of_run
+from .chains import (
+    ROOT_KINDS,
+    SYMPTOM_KINDS,
+    Root,
+    Timeouts,
+    absorbs,
+    links,
+    may_be_torn_down,
+    roots_of_run,
+    torn_down,
+)
 from .origin import origin_for, origin_of
 from .story import describe
 
@@ -36,15 +46,6 @@ _WS = re.compile(r"\s+")
 # Kinds whose events of one run are always one incident, whatever their text.
 _ONE_PER_RUN = {"nan", "oom", "process_failure", "slowdown", "data_issue", "overflow"}
 RECOVERY_ITERATIONS = 20  # finite logged losses after the last NaN that mean "recovered"
-
-
-def _exception_exit(ev: Mapping[str, Any]) -> bool:
-    """A process failure that is an ordinary non-zero exit (an exception), not a signal."""
-    if ev["kind"] != "process_failure":
-        return False
-    f = ev.get("fields") or {}
-    code = f.get("exit_code")
-    return isinstance(code, int) and code > 0 and not f.get("signal") and not f.get("reason")
 
 
 def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
@@ -171,8 +172,8 @@ class Correlator:
         # roots first, so their symptoms in the same batch find them
         def rank_of_kind(e: Mapping[str, Any]) -> tuple[int, int]:
             k = e["kind"]
-            if _exception_exit(e):
-                return (3, e["id"])  # after the communication errors it may follow from
+            if may_be_torn_down(e):
+                return (3, e["id"])  # after the communication failures it may follow from
             return (0 if k in ROOT_KINDS else 2 if k in SYMPTOM_KINDS else 1, e["id"])
 
         touched_runs: set[Any] = set()
@@ -183,7 +184,7 @@ class Correlator:
                     data_runs.add(ev["run_id"])
                 continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
             inc = None
-            if _exception_exit(ev):
+            if may_be_torn_down(ev):
                 inc = self._comm_incident_for(ev, accs)
             if inc is None and (ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure"):
                 inc = self._root_for(ev, accs)
@@ -219,8 +220,8 @@ class Correlator:
         """The open root-cause incident this symptom follows from, if any."""
         timeouts = self._timeouts(ev["run_id"])
         for root in roots_of_run(self.store.conn, ev["run_id"]):
-            if root.kind == ev["kind"]:
-                continue
+            if root.kind == ev["kind"] or self._torn_down_by(root, ev):
+                continue  # the root's exit is this failure's effect, not its cause
             if ev["kind"] == "process_failure":
                 if root.kind != "oom" or not absorbs(root, _as_root(ev)):
                     continue
@@ -233,35 +234,48 @@ class Correlator:
     def _comm_incident_for(
         self, ev: Mapping[str, Any], accs: Mapping[int, _Acc]
     ) -> dict[str, Any] | None:
-        """A worker that exited with an exception after a communication error on its own rank
-        (an NCCL/HCCL error raised in it, then torchrun's report) failed because of that error:
-        its exit joins the error's incident, whatever that incident's root is."""
-
-        def same_rank(other: Mapping[str, Any]) -> bool:
-            mine = ev["rank"] if ev["rank"] is not None else ev.get("local_rank")
-            theirs = other["rank"] if other["rank"] is not None else other.get("local_rank")
-            return mine is None or theirs is None or mine == theirs
-
+        """A worker that exited with an exception or an abort shortly after a communication
+        failure on its own rank (an NCCL/HCCL error raised in it, a watchdog taking the process
+        down, then torchrun's report) failed because of that failure: its exit joins the
+        failure's incident, whatever that incident's root is."""
         for acc in accs.values():
             for other in acc.new_events:
-                kind, run = other["kind"], other["run_id"]
-                if kind in SYMPTOM_KINDS and run == ev["run_id"] and same_rank(other):
+                if other["run_id"] == ev["run_id"] and torn_down(ev, other):
                     return acc.incident
-        rows = self.store.conn.execute(
-            "SELECT incident_id, rank, local_rank FROM events WHERE run_id IS ? AND kind IN "
-            "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL ORDER BY id LIMIT 500",
-            (ev["run_id"],),
-        ).fetchall()
-        for iid, rank, local_rank in rows:
-            if same_rank({"rank": rank, "local_rank": local_rank}):
-                held = accs.get(iid)
-                inc = held.incident if held else self._load(iid)
+        for other in self._comm_events_of(ev):
+            if torn_down(ev, other):
+                held = accs.get(other["incident_id"])
+                inc = held.incident if held else self._load(other["incident_id"])
                 if inc is not None and inc["status"] == "open":
                     return inc
         return None
 
+    def _comm_events_of(self, ev: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The run's correlated communication failures that could be ``ev``'s process's."""
+        rank = ev.get("rank") if ev.get("rank") is not None else ev.get("local_rank")
+        rows = self.store.conn.execute(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id IS ? AND kind IN "
+            "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL "
+            "AND (? IS NULL OR rank IS NULL OR rank = ? OR local_rank = ?) ORDER BY id LIMIT 500",
+            (ev["run_id"], rank, rank, rank),
+        ).fetchall()
+        return [Store._event(r) for r in rows]
+
+    def _torn_down_by(self, root: Root, ev: Mapping[str, Any]) -> bool:
+        """Is ``root`` (a process failure) the exit that communication failure ``ev`` caused?"""
+        if root.kind != "process_failure" or root.event_id is None:
+            return False
+        row = self.store.conn.execute(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ?", (root.event_id,)
+        ).fetchone()
+        return row is not None and torn_down(Store._event(row), ev)
+
     def _absorb_orphans(self, run_id: Any, accs: dict[int, _Acc]) -> None:
-        """A root that arrived after its symptoms takes them over."""
+        """A root that arrived after its symptoms takes them over; a process failure whose
+        cause arrived after it (its own rank's watchdog timeout) joins that cause."""
+        self._absorb_effects(run_id, accs)
+        while self._absorb_repeated_report(run_id, accs):
+            pass
         roots = roots_of_run(self.store.conn, run_id)
         if not roots:
             return
@@ -293,6 +307,58 @@ class Correlator:
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break
+
+    def _absorb_effects(self, run_id: Any, accs: dict[int, _Acc]) -> None:
+        """Open process-failure incidents rooted at an exit that a communication failure in
+        another open incident of the run caused move into that incident."""
+        for root in roots_of_run(self.store.conn, run_id):
+            if root.kind != "process_failure" or root.event_id is None:
+                continue
+            row = self.store.conn.execute(
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ?", (root.event_id,)
+            ).fetchone()
+            if row is None or not may_be_torn_down(Store._event(row)):
+                continue
+            exit_ev = Store._event(row)
+            for other in self._comm_events_of(exit_ev):
+                dst = other["incident_id"]
+                if dst == root.incident_id or not torn_down(exit_ev, other):
+                    continue
+                held = accs.get(dst)
+                inc = held.incident if held else self._load(dst)
+                if inc is not None and inc["status"] == "open":
+                    self._merge(root.incident_id, dst, accs)
+                    break
+
+    def _absorb_repeated_report(self, run_id: Any, accs: dict[int, _Acc]) -> bool:
+        """A launcher reports one exit twice (torchrun's ``failed (exitcode: 1) local_rank: 2
+        (pid: 31106)`` and its summary's ``rank : 6 (local_rank: 2)``); the first names only the
+        local rank. A process-failure incident whose every exit (node, pid) is already in
+        another open incident of the run is that incident's. True when one moved."""
+        rows = self.store.conn.execute(
+            "SELECT e.incident_id, e.node, json_extract(e.fields, '$.pid'), i.kind "
+            "FROM events e JOIN incidents i ON i.id = e.incident_id WHERE e.run_id IS ? "
+            "AND e.kind = 'process_failure' AND i.status = 'open'",
+            (run_id,),
+        ).fetchall()
+        where: dict[tuple[Any, Any], set[int]] = {}
+        for iid, node, pid, _kind in rows:
+            if pid is not None:
+                where.setdefault((node, pid), set()).add(iid)
+        for iid in sorted({r[0] for r in rows if r[3] == "process_failure"}):
+            kinds = self.store.conn.execute(
+                "SELECT DISTINCT kind FROM events WHERE incident_id = ?", (iid,)
+            ).fetchall()
+            if kinds != [("process_failure",)]:
+                continue
+            mine = [(n, p) for i, n, p, _k in rows if i == iid]
+            if any(p is None for _n, p in mine):
+                continue
+            others = set.intersection(*(where[k] - {iid} for k in mine)) if mine else set()
+            if others:
+                self._merge(iid, min(others), accs)
+                return True  # the rows are stale now
+        return False
 
     def _merge(self, src: int, dst: int, accs: dict[int, _Acc]) -> None:
         self.store.execute("UPDATE events SET incident_id = ? WHERE incident_id = ?", (dst, src))

@@ -174,6 +174,20 @@ def describe(
         ).strip()
         detail["symptom_ranks"] = other
         detail["symptoms"] = sorted(symptoms)
+    exits = comp.get("process_failure")
+    if exits and kind != "process_failure":
+        # launcher reports of exits this failure caused (a watchdog aborting its process, the
+        # root's own exception): effects, said as such
+        comm = kind in ("comm_timeout", "comm_error")
+        exited = sorted(exits["ranks"] - ({rank} if rank is not None and not comm else set()))
+        if exited:
+            detail["exited_ranks"] = exited
+            detail["root_cause"] = (
+                detail.get("root_cause", "")
+                + f" Ranks {ranks_text(exited)} then exited"
+                + (" (their watchdogs took the processes down)" if comm else "")
+                + ": the launcher's reports of their exits are effects of this failure."
+            ).strip()
     if kind == "nan":
         nan = comp.get("nan")
         if nan and rank is not None and len(nan["ranks"]) > 1:
