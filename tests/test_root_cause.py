@@ -185,3 +185,61 @@ def test_an_exit_long_after_its_ranks_timeout_is_not_its_effect(tmp_path: Path, 
     write_lines(run / "launcher.log", torchrun_exit(3 * 3600.0, 1, -6))
     kinds = sorted(i["kind"] for i in scan(db, run))
     assert kinds == ["comm_timeout", "process_failure"]
+
+
+def test_a_rank_that_died_without_a_line_is_the_root_the_others_name(
+    tmp_path: Path, db: Path
+) -> None:
+    """Rank 5 is killed by the host's OOM killer and prints nothing; the seven others time
+    out in HCCL naming it: the incident's origin is rank 5, with the ranks that named it."""
+    run = tmp_path / "node"
+    for r in (0, 1, 2, 3, 4, 6, 7):
+        write_lines(
+            run / f"rank{r}.log", [train_line(0.0), *hccl_ei0002(at(1800 + r), r, 5, pid=r)]
+        )
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "comm_timeout" and inc["ranks"] == [0, 1, 2, 3, 4, 6, 7]
+    assert inc["origin"]["rank"] == 5
+    assert inc["origin"]["evidence"] == {
+        "named_by": [0, 1, 2, 3, 4, 6, 7],
+        "silent": True,
+        "first_seen_rank": 0,
+    }
+    assert inc["title"].startswith("Rank 5 stopped responding: HCCL timeout on ranks 0-4,6-7")
+    assert inc["detail"]["cause_rank"] == 5
+    assert inc["detail"]["root_cause"].startswith("Rank 5 stopped responding")
+
+
+def test_the_silent_rank_is_the_end_of_the_chain(tmp_path: Path, db: Path) -> None:
+    """Ranks 4 and 5 wait for rank 3, which itself waits for rank 7: rank 7 printed nothing."""
+    run = tmp_path / "node"
+    for r, remote in ((4, 3), (5, 3), (3, 7)):
+        write_lines(run / f"rank{r}.log", hccl_ei0002(at(1800 + r), r, remote, pid=r))
+    (inc,) = scan(db, run)
+    assert inc["origin"]["rank"] == 7 and inc["origin"]["evidence"]["named_by"] == [3]
+
+
+def test_the_launchers_report_of_a_killed_rank_is_the_evidence(tmp_path: Path, db: Path) -> None:
+    run = tmp_path / "node"
+    for r in (4, 5, 6):
+        write_lines(run / f"rank{r}.log", hccl_ei0002(at(1800 + r), r, 3, pid=r))
+    write_lines(run / "launcher.log", torchrun_exit(1.0, 3, -9))
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 3
+    evidence = inc["origin"]["evidence"]
+    assert evidence["named_by"] == [4, 5, 6]
+    assert (evidence["exit_code"], evidence["signal"]) == (-9, "SIGKILL")
+    assert "local rank 3 was killed" in evidence["report"]
+    assert inc["title"].startswith("Process failure of rank 3 (SIGKILL)")
+    assert "Ranks 4-6 named it as the peer they waited for" in inc["detail"]["root_cause"]
+
+
+def test_a_named_rank_that_reported_its_own_failure_is_not_silent(tmp_path: Path, db: Path) -> None:
+    """Rank 3's timeout names rank 5 and rank 5's names rank 3 (each waited for the other):
+    neither is silent, the origin stays the first failure."""
+    run = tmp_path / "node"
+    write_lines(run / "rank3.log", hccl_ei0002(at(1800), 3, 5, pid=3))
+    write_lines(run / "rank5.log", hccl_ei0002(at(1801), 5, 3, pid=5))
+    (inc,) = scan(db, run)
+    assert inc["origin"]["rank"] == 3 and "evidence" not in inc["origin"]
+    assert not inc["title"].startswith("Rank")
