@@ -243,3 +243,30 @@ def test_a_named_rank_that_reported_its_own_failure_is_not_silent(tmp_path: Path
     (inc,) = scan(db, run)
     assert inc["origin"]["rank"] == 3 and "evidence" not in inc["origin"]
     assert not inc["title"].startswith("Rank")
+
+
+def test_an_nccl_desync_report_names_the_rank_that_stopped_responding(
+    tmp_path: Path, db: Path
+) -> None:
+    """TORCH_NCCL_DESYNC_DEBUG=1: each waiting rank's watchdog report names rank 5, which
+    finished collective #812 and never joined #813; rank 5 printed nothing."""
+    lines = []
+    for r in (0, 1, 2, 3):
+        stamp = f"[rank{r}]:[E1130 10:12:41.20{r}113046 ProcessGroupNCCL.cpp:632]"
+        lines += [
+            f"{stamp} [Rank {r}] Watchdog caught collective operation timeout: WorkNCCL("
+            "SeqNum=813, OpType=ALLREDUCE, NumelIn=4096, NumelOut=4096, Timeout(ms)=600000) "
+            "ran for 600017 milliseconds before timing out.",
+            f"[rank{r}]:[E1130 10:12:41.20{r}630512 ProcessGroupNCCL.cpp:1937] Rank {r}",
+            f"[rank{r}]:         - [{r}] Timeout at collective: ALLREDUCE, #813",
+            f"[rank{r}]:         - To our best knowledge, the lagging/dead/mismatched ranks "
+            "that caused the desync are:",
+            f"[rank{r}]:             [5] finished collective #812, but didn't join collective "
+            "#813 (count from 1)",
+        ]
+    write_lines(tmp_path / "job" / "train.log", lines)
+    (inc,) = scan(db, tmp_path / "job")
+    assert inc["kind"] == "comm_timeout" and inc["ranks"] == [0, 1, 2, 3]
+    assert inc["origin"]["rank"] == 5
+    assert inc["origin"]["evidence"]["named_by"] == [0, 1, 2, 3]
+    assert inc["title"].startswith("Rank 5 stopped responding: NCCL timeout on ranks 0-3")
