@@ -270,3 +270,44 @@ def test_an_nccl_desync_report_names_the_rank_that_stopped_responding(
     assert inc["origin"]["rank"] == 5
     assert inc["origin"]["evidence"]["named_by"] == [0, 1, 2, 3]
     assert inc["title"].startswith("Rank 5 stopped responding: NCCL timeout on ranks 0-3")
+
+
+def test_the_launchers_first_observed_failure_is_the_root_not_the_ranks_it_stopped(
+    tmp_path: Path, db: Path
+) -> None:
+    """torchrun's summary lists the workers it stopped (SIGTERM) before the root cause, all
+    under the same time: rank 3's segfault is the root."""
+    entry = [
+        "  time      : 2026-11-30_10:00:05",
+        "  host      : gpu-node-1",
+        "  rank      : {r} (local_rank: {r})",
+        "  exitcode  : {code} (pid: 470{r})",
+        "  error_file: <N/A>",
+        "  traceback : Signal {sig} ({name}) received by PID 470{r}",
+    ]
+    lines = [
+        "[2026-11-30 10:00:04,917] torch.distributed.elastic.multiprocessing.api: [WARNING] "
+        "Sending process 4700 closing signal SIGTERM",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "Failures:",
+    ]
+    for k, r in enumerate((0, 1, 2), start=1):
+        lines += [f"[{k}]:", *(x.format(r=r, code=-15, sig=15, name="SIGTERM") for x in entry)]
+    lines += ["Root Cause (first observed failure):", "[0]:"]
+    lines += [x.format(r=3, code=-11, sig=11, name="SIGSEGV") for x in entry]
+    write_lines(tmp_path / "job" / "launcher.log", lines)
+    (inc,) = scan(db, tmp_path / "job")
+    assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 3
+    assert inc["origin"]["evidence"]["signal"] == "SIGSEGV"
+
+
+def test_a_device_fault_after_a_timeout_on_its_rank_is_a_root_of_its_own(
+    tmp_path: Path, db: Path
+) -> None:
+    run = tmp_path / "job"
+    write_lines(
+        run / "rank1.log",
+        [*hccl_ei0002(at(0.0), 1, 3, pid=1), "[Error]: The aicore execution is abnormal. "],
+    )
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 1

@@ -105,8 +105,8 @@ def may_be_torn_down(ev: Mapping[str, Any]) -> bool:
     """A process failure that a communication failure of its own process can explain: an
     exception, an abort (what a watchdog does), or a report that does not say how it ended
     (``ChildFailedError``). Signals from outside (SIGKILL, SIGTERM) and crashes cannot."""
-    if ev["kind"] != "process_failure":
-        return False
+    if ev["kind"] != "process_failure" or ev.get("device"):
+        return False  # a kernel that faulted on the device is a crash of its own
     f = ev.get("fields") or {}
     if exception_exit(ev) or _aborted(f):
         return True

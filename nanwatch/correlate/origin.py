@@ -75,15 +75,26 @@ def earliest_event(
 
 
 def _root_key(ev: Mapping[str, Any], named: Mapping[int, Any]) -> tuple[Any, ...]:
-    """Which of two events of the root's kind came first: a known time before an unknown one,
-    then the time (a traceback's is the last time its stream printed); at the same time, one
-    on a rank the symptoms name as the peer they waited for (a launcher may report one exit
-    by local rank and again by global rank), then the step; an event that says where it
-    happened before one that does not."""
+    """Which of two events of the root's kind came first: an exit the launcher caused (SIGTERM)
+    after any other; a known time before an unknown one, then the time (a traceback's is the
+    last time its stream printed); at the same time, one on a rank the symptoms name as the
+    peer they waited for (a launcher may report one exit by local rank and again by global
+    rank), then the step; an event that says where it happened before one that does not."""
     t = event_time(ev)
     step = ev.get("step")
     located = ev.get("rank") is not None or ev.get("local_rank") is not None
-    return (t is None, t or 0.0, ev.get("rank") not in named, step is None, step or 0, not located)
+    # a launcher stops the survivors with SIGTERM after it saw the first failure; its summary
+    # lists them before that failure, all under one time
+    stopped = (ev.get("fields") or {}).get("signal") == "SIGTERM"
+    return (
+        stopped,
+        t is None,
+        t or 0.0,
+        ev.get("rank") not in named,
+        step is None,
+        step or 0,
+        not located,
+    )
 
 
 def root_event(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
