@@ -311,3 +311,21 @@ def test_a_device_fault_after_a_timeout_on_its_rank_is_a_root_of_its_own(
     )
     (inc,) = scan(db, run)
     assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 1
+
+
+def test_an_oom_read_after_the_watchdog_aborts_it_caused_roots_them_all(
+    tmp_path: Path, db: Path
+) -> None:
+    """gpu-node-7's log (timeouts, aborts) is read first, gpu-node-8's (rank 6's OOM) later:
+    the timeout incident with its exits joins the OOM's."""
+    import shutil
+
+    logs = FIXTURES / "cuda_oom_nccl_teardown" / "logs"
+    run = tmp_path / "logs"
+    shutil.copytree(logs / "gpu-node-7", run / "gpu-node-7")
+    (first,) = scan(db, run)
+    assert first["kind"] == "comm_timeout" and first["detail"]["exited_ranks"] == [0, 1, 2, 3]
+    shutil.copytree(logs / "gpu-node-8", run / "gpu-node-8")
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "oom" and inc["origin"]["rank"] == 6 and inc["event_count"] == 11
+    assert inc["title"].startswith("Out of memory on rank 6")
