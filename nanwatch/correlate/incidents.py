@@ -4,7 +4,8 @@ The correlator reads the events committed since its last pass and attaches each 
 of its run. Events are grouped by a fingerprint (the kind, plus the normalised message for
 open-ended kinds; a run's communication timeouts and errors by backend); a root cause absorbs
 its symptoms (see ``chains.py``): collective timeouts on the other ranks, the launcher's report
-that the rank died. Every material change bumps the incident's ``version`` and is returned as a
+that the rank died; an exit a rank's own communication failure caused follows that failure
+(``effects.py``). Every material change bumps the incident's ``version`` and is returned as a
 :class:`Change` for the outbox.
 
 Lifecycle: ``open`` -> ``resolved`` when the run recovers (finite losses again after a NaN) or,
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import format_utc, now_utc
-from ..store.db import EVENT_COLUMNS, Store
-from . import samples, slowdown
+from ..store.db import Store
+from . import effects, samples, slowdown
 from .chains import (
     ROOT_KINDS,
     SYMPTOM_KINDS,
@@ -220,7 +221,7 @@ class Correlator:
         """The open root-cause incident this symptom follows from, if any."""
         timeouts = self._timeouts(ev["run_id"])
         for root in roots_of_run(self.store.conn, ev["run_id"]):
-            if root.kind == ev["kind"] or self._torn_down_by(root, ev):
+            if root.kind == ev["kind"] or effects.torn_down_by(self.store.conn, root, ev):
                 continue  # the root's exit is this failure's effect, not its cause
             if ev["kind"] == "process_failure":
                 if root.kind != "oom" or not absorbs(root, _as_root(ev)):
@@ -242,7 +243,7 @@ class Correlator:
             for other in acc.new_events:
                 if other["run_id"] == ev["run_id"] and torn_down(ev, other):
                     return acc.incident
-        for other in self._comm_events_of(ev):
+        for other in effects.comm_events_of(self.store.conn, ev):
             if torn_down(ev, other):
                 held = accs.get(other["incident_id"])
                 inc = held.incident if held else self._load(other["incident_id"])
@@ -250,32 +251,11 @@ class Correlator:
                     return inc
         return None
 
-    def _comm_events_of(self, ev: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The run's correlated communication failures that could be ``ev``'s process's."""
-        rank = ev.get("rank") if ev.get("rank") is not None else ev.get("local_rank")
-        rows = self.store.conn.execute(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id IS ? AND kind IN "
-            "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL "
-            "AND (? IS NULL OR rank IS NULL OR rank = ? OR local_rank = ?) ORDER BY id LIMIT 500",
-            (ev["run_id"], rank, rank, rank),
-        ).fetchall()
-        return [Store._event(r) for r in rows]
-
-    def _torn_down_by(self, root: Root, ev: Mapping[str, Any]) -> bool:
-        """Is ``root`` (a process failure) the exit that communication failure ``ev`` caused?"""
-        if root.kind != "process_failure" or root.event_id is None:
-            return False
-        row = self.store.conn.execute(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ?", (root.event_id,)
-        ).fetchone()
-        return row is not None and torn_down(Store._event(row), ev)
-
     def _absorb_orphans(self, run_id: Any, accs: dict[int, _Acc]) -> None:
         """A root that arrived after its symptoms takes them over; a process failure whose
         cause arrived after it (its own rank's watchdog timeout) joins that cause."""
-        self._absorb_effects(run_id, accs)
-        while self._absorb_repeated_report(run_id, accs):
-            pass
+        while (pair := effects.next_effect(self.store.conn, run_id)) is not None:
+            self._merge(*pair, accs)
         roots = roots_of_run(self.store.conn, run_id)
         if not roots:
             return
@@ -307,58 +287,6 @@ class Correlator:
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break
-
-    def _absorb_effects(self, run_id: Any, accs: dict[int, _Acc]) -> None:
-        """Open process-failure incidents rooted at an exit that a communication failure in
-        another open incident of the run caused move into that incident."""
-        for root in roots_of_run(self.store.conn, run_id):
-            if root.kind != "process_failure" or root.event_id is None:
-                continue
-            row = self.store.conn.execute(
-                f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ?", (root.event_id,)
-            ).fetchone()
-            if row is None or not may_be_torn_down(Store._event(row)):
-                continue
-            exit_ev = Store._event(row)
-            for other in self._comm_events_of(exit_ev):
-                dst = other["incident_id"]
-                if dst == root.incident_id or not torn_down(exit_ev, other):
-                    continue
-                held = accs.get(dst)
-                inc = held.incident if held else self._load(dst)
-                if inc is not None and inc["status"] == "open":
-                    self._merge(root.incident_id, dst, accs)
-                    break
-
-    def _absorb_repeated_report(self, run_id: Any, accs: dict[int, _Acc]) -> bool:
-        """A launcher reports one exit twice (torchrun's ``failed (exitcode: 1) local_rank: 2
-        (pid: 31106)`` and its summary's ``rank : 6 (local_rank: 2)``); the first names only the
-        local rank. A process-failure incident whose every exit (node, pid) is already in
-        another open incident of the run is that incident's. True when one moved."""
-        rows = self.store.conn.execute(
-            "SELECT e.incident_id, e.node, json_extract(e.fields, '$.pid'), i.kind "
-            "FROM events e JOIN incidents i ON i.id = e.incident_id WHERE e.run_id IS ? "
-            "AND e.kind = 'process_failure' AND i.status = 'open'",
-            (run_id,),
-        ).fetchall()
-        where: dict[tuple[Any, Any], set[int]] = {}
-        for iid, node, pid, _kind in rows:
-            if pid is not None:
-                where.setdefault((node, pid), set()).add(iid)
-        for iid in sorted({r[0] for r in rows if r[3] == "process_failure"}):
-            kinds = self.store.conn.execute(
-                "SELECT DISTINCT kind FROM events WHERE incident_id = ?", (iid,)
-            ).fetchall()
-            if kinds != [("process_failure",)]:
-                continue
-            mine = [(n, p) for i, n, p, _k in rows if i == iid]
-            if any(p is None for _n, p in mine):
-                continue
-            others = set.intersection(*(where[k] - {iid} for k in mine)) if mine else set()
-            if others:
-                self._merge(iid, min(others), accs)
-                return True  # the rows are stale now
-        return False
 
     def _merge(self, src: int, dst: int, accs: dict[int, _Acc]) -> None:
         self.store.execute("UPDATE events SET incident_id = ? WHERE incident_id = ?", (dst, src))
