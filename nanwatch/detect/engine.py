@@ -708,9 +708,13 @@ class Detector:
             stage = state.stage
         rank = prefix_attrs.get("rank", attrs.get("rank"))
         near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
+        own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
         if rank is None and state.hint_rank is not None:
-            rank = state.hint_rank if near else None
-            if state.hint_rank_once:
+            # a line that names its own (local) rank is about that process, not a neighbour's;
+            # either way the record that lent its rank has ended
+            if own_local is None:
+                rank = state.hint_rank if near else None
+            if state.hint_rank_once or own_local is not None:
                 state.hint_rank = None
         if rank is None:
             rank = state.rank
