@@ -473,3 +473,78 @@ def test_a_rename_noticed_by_a_pass_without_a_walk_is_followed_not_retired(
         assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
     finally:
         live.close()
+
+
+@contextmanager
+def following(
+    db: Path, paths: list[str], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Pipeline]:
+    """The `watch` loop in a thread; the safety rescan is pushed out of reach, so what
+    arrives came through the watcher (or the poll interval), never the periodic walk."""
+    import threading
+
+    from nanwatch import pipeline as pipeline_mod
+    from nanwatch.config import SourcesConfig
+
+    monkeypatch.setattr(pipeline_mod, "SAFETY_POLL", 3600.0)
+    config = Config(sources=SourcesConfig(mode=mode, poll_interval=0.2))
+    store = Store.open(db)
+    pipe = Pipeline(config, store, paths, live=True)
+    stop = threading.Event()
+    ready = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipe.watch(stop, on_ready=ready.set)
+        except BaseException as e:  # surfaced by the test, not lost in the thread
+            failed.append(e)
+            ready.set()
+
+    t = threading.Thread(target=run, name="watch-loop")
+    t.start()
+    try:
+        assert ready.wait(30) and not failed, failed
+        assert pipe.mode == mode
+        yield pipe
+    finally:
+        stop.set()
+        pipe.request_stop()
+        t.join(30)
+        store.close()
+    assert not failed, failed
+
+
+def read_iters(db: Path) -> list[int]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return [r[0] for r in conn.execute("SELECT iter FROM events WHERE kind='nan' ORDER BY id")]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mode", ["inotify", "poll"])
+@pytest.mark.parametrize("kind", ["dir", "file", "glob"])
+def test_a_path_that_appears_after_start_is_followed_and_again_when_recreated(
+    tmp_path: Path, db: Path, mode: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .conftest import wait_for
+
+    job = tmp_path / "job"  # not even the parent exists when watching starts
+    logs = job / "work_dirs" / "20261130_101500"
+    spec = {
+        "dir": str(job / "work_dirs"),
+        "file": str(logs / "rank0.log"),
+        "glob": str(job / "work_*" / "*" / "rank*.log"),
+    }[kind]
+    with following(db, [spec], mode, monkeypatch):
+        logs.mkdir(parents=True)
+        (logs / "rank0.log").write_text(nan_line(1))
+        wait_for(lambda: read_iters(db) == [1], timeout=10, what="the first line")
+        with (logs / "rank0.log").open("a") as f:
+            f.write(nan_line(2))
+        wait_for(lambda: read_iters(db) == [1, 2], timeout=10, what="an appended line")
+        shutil.rmtree(job)
+        logs.mkdir(parents=True)
+        (logs / "rank0.log").write_text(nan_line(3))
+        wait_for(lambda: read_iters(db) == [1, 2, 3], timeout=10, what="the re-created file")

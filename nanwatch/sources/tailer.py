@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from ..stream import StreamState
 from .copies import CopyJudge
-from .discover import Root, rank_from_path, sniff_bytes, walk
+from .discover import Root, rank_from_path, settle_roots, sniff_bytes, walk
 from .records import HEAD, TAIL, Chunk, SourceRecord, digest
 
 log = logging.getLogger("nanwatch.sources")
@@ -76,6 +76,7 @@ class Tracker(CopyJudge):
 
     def discover(self) -> list[SourceRecord]:
         """Walk every root; start records for new files; notice renames, truncations, deletions."""
+        settle_roots(self.roots)
         seen: set[tuple[int, int]] = set()
         new: list[SourceRecord] = []
         for root in self.roots:

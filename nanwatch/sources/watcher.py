@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .discover import Root
+from .discover import Root, settle_roots
 
 log = logging.getLogger("nanwatch.sources")
 
@@ -175,25 +175,32 @@ class Watcher:
     def _schedule_all(self) -> bool:
         """Watch each root's folder; a missing one through its nearest existing parent (to see
         it appear); a folder replaced by another (moved away and recreated) is watched again."""
+        settle_roots(self.roots)
         ok = True
         for r in self.roots:
-            target, recursive = self._target(r)
-            ident = _identity(target)
-            known = self._watches.get(target)
-            if known is not None and known[1] == ident:
-                continue
-            if known is not None:
+            # `mkdir -p` may make the next folder down before the watch on its parent is in
+            # place: look again after each new watch until the nearest folder stays the same
+            for _ in range(64):
+                target, recursive = self._target(r)
+                ident = _identity(target)
+                known = self._watches.get(target)
+                if known is not None and known[1] == ident:
+                    break
+                if known is not None:
+                    try:
+                        self._observer.unschedule(known[0])
+                    except (KeyError, OSError, ValueError):
+                        pass
                 try:
-                    self._observer.unschedule(known[0])
-                except (KeyError, OSError, ValueError):
-                    pass
-            try:
-                watch = self._observer.schedule(self._handler, target, recursive=recursive)
-            except OSError as e:
-                log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
-                ok = False
-                continue
-            self._watches[target] = (watch, ident)
+                    watch = self._observer.schedule(self._handler, target, recursive=recursive)
+                except OSError as e:
+                    log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
+                    ok = False
+                    break
+                self._watches[target] = (watch, ident)
+                if r.late:
+                    settle_roots(self.roots)
+                    r = next((x for x in self.roots if x.spec == r.spec and x.path == r.path), r)
         return ok
 
     @property
