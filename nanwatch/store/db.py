@@ -58,38 +58,74 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 
 
 class WriterLock:
-    """One writing process per database: ``<db>.lock`` held with flock while it writes."""
+    """One writing process per database: an flock on the database file itself.
+
+    Keyed on the file, not its name: a symlink, a hard link, a bind mount or a relative path
+    to a database being written is refused (a second writer through a hard link keeps its own
+    WAL and damages the file). flock does not meet SQLite's own fcntl byte-range locks on a
+    local filesystem, so readers are never blocked. The descriptor is closed only after the
+    connection: closing any descriptor of a file drops the process's fcntl locks on it."""
 
     def __init__(self, db_path: Path) -> None:
-        self.path = Path(str(db_path) + ".lock")
+        self.path = db_path
         self.fd: int | None = None
 
     def acquire(self) -> None:
         import fcntl
 
         try:
+            # an empty file is an empty database to SQLite: creating it here changes nothing
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
+            raise StoreError(
+                f"{self.path}: cannot open the database for writing ({e.strerror}); check the "
+                "folder's permissions or pass another --db"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
+            holder = _flock_holder(st.st_dev, st.st_ino)
+            who = f"pid {holder}" if holder is not None else "pid unknown"
             raise StoreError(
-                f"{self.path.with_suffix('')}: another nanwatch process (pid {holder}) is "
-                "writing this database; stop it, or pass another --db"
+                f"{self.path}: another nanwatch process ({who}) is writing this database "
+                "(the same file, under this name or another: a link or a relative path); "
+                "stop it, or pass another --db"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _close_quietly(conn: sqlite3.Connection | None) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
+
+
+def _flock_holder(dev: int, ino: int, locks: str = "/proc/locks") -> int | None:
+    """The pid holding an flock on the file (dev, ino), from the kernel's lock table."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    try:
+        with open(locks, encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2153162 0 EOF" ("->" marks waiters)
+                if "->" in parts:
+                    continue
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 class Store:
@@ -158,8 +194,9 @@ class Store:
         lock = WriterLock(p)
         if exclusive:
             lock.acquire()
+        made: sqlite3.Connection | None = None  # closed before the lock on failure
         try:
-            conn = sqlite3.connect(
+            conn = made = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
             )
             if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
@@ -174,9 +211,11 @@ class Store:
             store.lock = lock
             store._migrate()
         except sqlite3.Error as e:
+            _close_quietly(made)
             lock.release()
             raise _explain(p, e) from None
         except BaseException:
+            _close_quietly(made)
             lock.release()
             raise
         return store
