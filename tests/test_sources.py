@@ -405,6 +405,51 @@ def test_new_files_and_folders_appear_later(tmp_path: Path, db: Path) -> None:
         live.close()
 
 
+@pytest.mark.parametrize(
+    "hole, sparse",
+    [(1000, True), (4 << 20, True), ((4 << 20) + 1, True), (50_000_000, True), (9 << 20, False)],
+)
+def test_a_hole_of_nul_bytes_after_copytruncate_keeps_the_line_after_it(
+    tmp_path: Path, db: Path, hole: int, sparse: bool
+) -> None:
+    import tracemalloc
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    # no O_APPEND (`python train.py > rank0.log`): after copytruncate the writer goes on at
+    # its own offset, and the bytes before it read back as NULs (a sparse hole)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+    live = Live(db, [str(d)])
+    try:
+        os.write(fd, nan_line(1).encode())
+        live.step()
+        shutil.copyfile(log, d / "rank0.log.1")
+        os.truncate(log, 0)
+        if sparse:
+            os.lseek(fd, hole, os.SEEK_SET)
+        else:  # zeros really written (a preallocating writer): skipped a chunk at a time
+            os.pwrite(fd, bytes(hole), 0)
+            os.lseek(fd, hole, os.SEEK_SET)
+        os.write(fd, (nan_line(2) + nan_line(3)).encode())
+        tracemalloc.start()
+        try:
+            live.step()
+            live.step()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
+        assert peak < 24 << 20  # read piece by piece, never the whole hole at once
+        with (log).open("a") as f:
+            f.write(nan_line(4))
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3, 4]
+    finally:
+        os.close(fd)
+        live.close()
+
+
 def test_undecodable_bytes_and_crlf(tmp_path: Path, db: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()

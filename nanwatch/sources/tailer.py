@@ -7,6 +7,7 @@ changed, starts a new generation from 0. Rotated copies are judged in ``copies``
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -334,6 +335,15 @@ class Tracker(CopyJudge):
                 return
             if not data:
                 return
+            if not cutting and data[:1] == b"\0":
+                # a hole: a writer without O_APPEND goes on at its old offset after
+                # copytruncate, and the bytes before it read back as NULs; they are no line
+                skip = self._hole(fd, offset, data)
+                if skip is None:
+                    return  # NULs up to the end: maybe bytes still being written, wait
+                offset += skip
+                yield self._chunk(rec, b"", offset - skip, offset, head_hash, head_len, False)
+                continue
             start = offset
             skipped = 0
             if cutting:
@@ -397,6 +407,22 @@ class Tracker(CopyJudge):
                     rec, rest + b"\n", offset, offset, None, head_hash, head_len, False, 0, True
                 )
                 return
+
+    def _hole(self, fd: int, offset: int, data: bytes) -> int | None:
+        """How many NUL bytes to skip at ``offset`` (``data`` read there): the run up to the
+        next byte of text, or None when nothing but NULs follows yet."""
+        run = len(data) - len(data.lstrip(b"\0"))
+        if run < len(data):
+            return run
+        if len(data) < self.read_chunk:
+            return None
+        try:
+            # a sparse hole is skipped whole; a run of written zeros, a chunk at a time
+            after = os.lseek(fd, offset + run, os.SEEK_DATA)
+        except OSError as e:
+            # ENXIO: only a hole follows (the writer's bytes are still to come)
+            return None if e.errno == errno.ENXIO else run
+        return max(run, after - offset)
 
     def _head(self, fd: int) -> tuple[str | None, int]:
         try:
