@@ -245,6 +245,8 @@ class Passes:
         """Read what is new, commit it with its offsets, correlate; return incident changes."""
         if discover:
             self.tracker.discover()
+        if only is not None:
+            only = self.tracker.touched(only)
         settled = self.tracker.settle_pending()
         wanted = set(only) | {r.path for r in settled} if only is not None else None
         commits = self.stats.commits

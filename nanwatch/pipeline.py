@@ -92,6 +92,8 @@ class Pipeline(Passes):
             sender.start()
         try:
             self._safe_step(stop)
+            if mode == "inotify":
+                watcher.follow(self.tracker.link_dirs())
             if on_ready is not None:
                 on_ready()
             last_full = time.monotonic()
@@ -125,6 +127,8 @@ class Pipeline(Passes):
                 if structural:
                     watcher.rescan_roots()
                 changes = self._safe_step(stop, discover=full, only=None if full else dirty)
+                if mode == "inotify":
+                    watcher.follow(self.tracker.link_dirs())
                 if changes is not None:
                     if full:
                         last_full = now

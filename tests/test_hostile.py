@@ -342,3 +342,47 @@ def test_watchdog_stop_race_is_not_shown_as_an_error(caplog):
         wlog.error("something else went wrong")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["something else went wrong"]
+
+
+def test_a_file_made_readable_is_followed_without_a_rescan(shared_dir: Path) -> None:
+    """chmod comes as an attribute change: the file is read then, not at the next full walk
+    (pushed out of reach here, so only the watcher can bring the line)."""
+    prefix = unprivileged()
+    if ROOT and not prefix:
+        pytest.skip("needs an unprivileged user (unshare) to be refused a chmod 000 file")
+    logs = shared_dir / "logs"
+    logs.mkdir()
+    logs.chmod(0o777)
+    secret = logs / "rank4.log"
+    secret.write_text(nan_line(8))
+    secret.chmod(0o000)
+    (logs / "rank5.log").write_text(nan_line(9))
+    db = shared_dir / "state" / "nw.db"
+    db.parent.mkdir()
+    db.parent.chmod(0o777)
+    code = (
+        "import sys, nanwatch.pipeline as p; p.SAFETY_POLL = 3600.0; "
+        "from nanwatch.cli import main; sys.argv[0] = 'nanwatch'; main()"
+    )
+    out_path = shared_dir / "watch.out"
+    out = out_path.open("wb")
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", code, "watch", "--quiet", "-v", "--db", str(db), str(logs)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        wait_for(lambda: 9 in iters(db), timeout=30, what="the readable file")
+        assert "permission denied" in out_path.read_text()
+        assert 8 not in iters(db)
+        secret.chmod(0o644)
+        wait_for(lambda: 8 in iters(db), timeout=10, what="the file made readable")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    assert iters(db) == {8: 1, 9: 1}

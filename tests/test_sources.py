@@ -593,3 +593,31 @@ def test_a_path_that_appears_after_start_is_followed_and_again_when_recreated(
         logs.mkdir(parents=True)
         (logs / "rank0.log").write_text(nan_line(3))
         wait_for(lambda: read_iters(db) == [1, 2, 3], timeout=10, what="the re-created file")
+
+
+def test_lines_appended_to_a_symlinks_target_elsewhere_arrive_without_a_rescan(
+    tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .conftest import wait_for
+
+    logs, elsewhere = tmp_path / "logs", tmp_path / "scratch" / "job42"
+    logs.mkdir()
+    elsewhere.mkdir(parents=True)
+    target = elsewhere / "stdout.txt"
+    target.write_text(nan_line(1))
+    (logs / "rank0.log").symlink_to(target)
+    with following(db, [str(logs)], "inotify", monkeypatch):
+        wait_for(lambda: read_iters(db) == [1], timeout=10, what="the first line")
+        with target.open("a") as f:
+            f.write(nan_line(2))
+        wait_for(lambda: read_iters(db) == [1, 2], timeout=10, what="a line through the link")
+        # the link pointed elsewhere: the new target is the one followed
+        other = elsewhere / "stdout-2.txt"
+        other.write_text(nan_line(3))
+        tmp_link = logs / ".rank0.log.tmp"
+        tmp_link.symlink_to(other)
+        os.rename(tmp_link, logs / "rank0.log")
+        wait_for(lambda: read_iters(db) == [1, 2, 3], timeout=10, what="the new target")
+        with other.open("a") as f:
+            f.write(nan_line(4))
+        wait_for(lambda: read_iters(db) == [1, 2, 3, 4], timeout=10, what="the new target's line")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from ..stream import StreamState
 from .copies import CopyJudge
 from .discover import Root, rank_from_path, settle_roots, sniff_bytes, walk
-from .records import HEAD, TAIL, Chunk, SourceRecord, digest
+from .records import HEAD, TAIL, Chunk, SourceRecord, digest, link_target
 
 log = logging.getLogger("nanwatch.sources")
 
@@ -63,6 +64,7 @@ class Tracker(CopyJudge):
         }
         for rec in known:
             if rec.status == "active":
+                rec.target = link_target(rec.path)
                 self.records[rec.key] = rec
             else:
                 self.retired.append(rec)
@@ -106,6 +108,7 @@ class Tracker(CopyJudge):
                         self.counters["rotations"] += 1
                         rec.path = path
                         rec.renamed = True
+                        rec.target = link_target(path)
                     continue
                 if key in self.ignored:
                     continue
@@ -156,6 +159,7 @@ class Tracker(CopyJudge):
             gen=self._gen(st.st_dev, st.st_ino),
         )
         rec.state.rank = rank_from_path(path, root.base)
+        rec.target = link_target(path)
         rec.fd = fd
         self._remember_fd(rec)
         self._place(rec, fd, size, wait=self.live)
@@ -167,6 +171,51 @@ class Tracker(CopyJudge):
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec
+
+    def touched(self, paths: Iterable[str]) -> set[str]:
+        """The followed paths that the watcher's touched paths stand for.
+
+        A symlink's target stands for the link. A file not followed yet is looked at now
+        rather than at the next walk: made readable (chmod is an attribute change, not a
+        creation), or its creation was missed."""
+        wanted = set(paths)
+        if not wanted:
+            return wanted
+        followed = {rec.path for rec in self.records.values()}
+        links: dict[str, list[str]] = {}
+        for rec in self.records.values():
+            if rec.target is not None:
+                links.setdefault(rec.target, []).append(rec.path)
+        out = set(wanted)
+        for path in wanted:
+            if path in followed:
+                continue
+            if path in links:
+                out.update(links[path])
+            else:
+                self._adopt(path)
+        return out
+
+    def _adopt(self, path: str) -> SourceRecord | None:
+        root = self.root_for(path)
+        if root is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode) or key in self.records or key in self.ignored:
+            return None
+        return self._new_file(root, path, st)
+
+    def link_dirs(self) -> set[str]:
+        """Folders holding the targets of followed symlinks."""
+        return {
+            os.path.dirname(rec.target)
+            for rec in self.records.values()
+            if rec.target is not None and rec.status == "active"
+        }
 
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""

@@ -82,6 +82,7 @@ def choose_mode(
 
 
 _IGNORED = {"opened", "closed_no_write"}
+MAX_LINK_DIRS = 64
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -142,6 +143,9 @@ class Watcher:
         self._structural = False
         self._observer: Any = None
         self._watches: dict[str, tuple[Any, tuple[int, int] | None]] = {}
+        # folders of symlinks' targets outside the roots (one inotify instance each)
+        self._extra: dict[str, Any] = {}
+        self._extra_dirs: frozenset[str] = frozenset()
 
     def start(self) -> bool:
         """Start inotify watches; False when the system refuses (limits): the caller polls."""
@@ -227,6 +231,43 @@ class Watcher:
                 pass
         return self._schedule_all()
 
+    def follow(self, dirs: set[str]) -> None:
+        """Also watch these folders (non-recursively): a symlink's target is written where
+        it lives, and no event for it comes from the folder holding the link."""
+        if self._observer is None:
+            return
+        wanted = sorted(d for d in dirs if not self._covered(d))
+        if len(wanted) > MAX_LINK_DIRS:
+            if len(self._extra) < MAX_LINK_DIRS:
+                log.info(
+                    "symlinks lead into %d folders; watching %d, the rest is found by the "
+                    "periodic rescan",
+                    len(wanted),
+                    MAX_LINK_DIRS,
+                )
+            wanted = wanted[:MAX_LINK_DIRS]
+        for d in [d for d in self._extra if d not in wanted]:
+            try:
+                self._observer.unschedule(self._extra.pop(d))
+            except (KeyError, OSError, ValueError):
+                pass
+        for d in wanted:
+            if d in self._extra:
+                continue
+            try:
+                self._extra[d] = self._observer.schedule(self._handler, d, recursive=False)
+            except OSError as e:
+                log.debug("%s: cannot watch a link target's folder (%s)", d, e)
+        self._extra_dirs = frozenset(self._extra)
+
+    def _covered(self, d: str) -> bool:
+        for target, (watch, _) in self._watches.items():
+            if d == target:
+                return True
+            if getattr(watch, "is_recursive", False) and d.startswith(target.rstrip("/") + "/"):
+                return True
+        return False
+
     @staticmethod
     def _target(r: Root) -> tuple[str, bool]:
         """The folder to watch for a root (its nearest existing one) and whether recursively."""
@@ -239,12 +280,15 @@ class Watcher:
         etype = getattr(event, "event_type", "")
         if etype in _IGNORED:
             return  # our own reads show up as opened/closed_no_write: never wake on them
-        paths = [getattr(event, "src_path", None), getattr(event, "dest_path", None)]
+        ends = (getattr(event, "src_path", None), getattr(event, "dest_path", None))
+        paths = [os.fsdecode(p) for p in ends if p]
+        # in a link target's folder only the targets matter; the roots' tree did not change
+        extra = bool(paths) and all(os.path.dirname(p) in self._extra_dirs for p in paths)
         with self._lock:
-            for p in paths:
-                if p:
-                    self._dirty.add(os.fsdecode(p))
-            if etype in ("created", "moved", "deleted") or getattr(event, "is_directory", False):
+            self._dirty.update(paths)
+            if not extra and (
+                etype in ("created", "moved", "deleted") or getattr(event, "is_directory", False)
+            ):
                 self._structural = True
         self.wake.set()
 
