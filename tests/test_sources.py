@@ -569,7 +569,7 @@ def read_iters(db: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["inotify", "poll"])
-@pytest.mark.parametrize("kind", ["dir", "file", "glob"])
+@pytest.mark.parametrize("kind", ["dir", "file", "glob", "existing dir"])
 def test_a_path_that_appears_after_start_is_followed_and_again_when_recreated(
     tmp_path: Path, db: Path, mode: str, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -577,13 +577,16 @@ def test_a_path_that_appears_after_start_is_followed_and_again_when_recreated(
 
     job = tmp_path / "job"  # not even the parent exists when watching starts
     logs = job / "work_dirs" / "20261130_101500"
+    if kind == "existing dir":
+        (job / "work_dirs").mkdir(parents=True)
     spec = {
+        "existing dir": str(job / "work_dirs"),
         "dir": str(job / "work_dirs"),
         "file": str(logs / "rank0.log"),
         "glob": str(job / "work_*" / "*" / "rank*.log"),
     }[kind]
     with following(db, [spec], mode, monkeypatch):
-        logs.mkdir(parents=True)
+        logs.mkdir(parents=True, exist_ok=True)
         (logs / "rank0.log").write_text(nan_line(1))
         wait_for(lambda: read_iters(db) == [1], timeout=10, what="the first line")
         with (logs / "rank0.log").open("a") as f:
