@@ -195,3 +195,21 @@ def test_a_second_writer_through_another_name_is_refused(tmp_path: Path) -> None
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()
+
+
+def test_the_lock_holder_is_read_from_the_kernels_table(tmp_path: Path) -> None:
+    from nanwatch.store.db import _flock_holder
+
+    table = tmp_path / "locks"
+    table.write_text(
+        "1: POSIX  ADVISORY  READ 11 fe:00:77 1073741826 1073742335\n"
+        "2: FLOCK  ADVISORY  WRITE 4242 fe:00:77 0 EOF\n"
+        "2: -> FLOCK  ADVISORY  WRITE 4343 fe:00:77 0 EOF\n"
+        "3: FLOCK  ADVISORY  WRITE 5151 00:2a:99 0 EOF\n"
+    )
+    dev = os.makedev(0xFE, 0)
+    assert _flock_holder(dev, 77, str(table)) == 4242
+    # another device number for the same inode (btrfs subvolumes): still found when alone
+    assert _flock_holder(os.makedev(0, 0x31), 99, str(table)) == 5151
+    assert _flock_holder(dev, 12345, str(table)) is None
+    assert _flock_holder(dev, 77, str(tmp_path / "missing")) is None

@@ -112,20 +112,26 @@ def _close_quietly(conn: sqlite3.Connection | None) -> None:
 
 
 def _flock_holder(dev: int, ino: int, locks: str = "/proc/locks") -> int | None:
-    """The pid holding an flock on the file (dev, ino), from the kernel's lock table."""
+    """The pid holding an flock on the file (dev, ino), from the kernel's lock table.
+
+    The table names the device as its superblock knows it, which stat does not always report
+    (btrfs subvolumes): one flock on the same inode number is taken to be it."""
     want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    same_ino: list[int] = []
     try:
         with open(locks, encoding="ascii", errors="replace") as f:
             for line in f:
                 parts = line.split()
                 # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2153162 0 EOF" ("->" marks waiters)
-                if "->" in parts:
+                if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
                     continue
-                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+                if parts[5] == want:
                     return int(parts[4])
+                if parts[5].rsplit(":", 1)[-1] == str(ino):
+                    same_ino.append(int(parts[4]))
     except (OSError, ValueError):
         return None
-    return None
+    return same_ino[0] if len(same_ino) == 1 else None
 
 
 class Store:
