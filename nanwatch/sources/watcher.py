@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,11 @@ class _StopRace(logging.Filter):
 
 
 logging.getLogger("watchdog.observers.inotify").addFilter(_StopRace())
+# a folder created while its parent's recursive watch is being set up gets its watch twice;
+# watchdog warns and keeps one (the same callback): nothing to tell anyone
+warnings.filterwarnings(
+    "ignore", message="Callback with id", category=RuntimeWarning, module="watchdog"
+)
 
 NETWORK_FS = {
     "nfs",
@@ -205,7 +211,18 @@ class Watcher:
                 if r.late:
                     settle_roots(self.roots)
                     r = next((x for x in self.roots if x.spec == r.spec and x.path == r.path), r)
+        self._drop_unwanted()
         return ok
+
+    def _drop_unwanted(self) -> None:
+        """Forget the parents watched while a root was missing: their other children's
+        comings and goings would make every pass a full walk."""
+        wanted = {self._target(r)[0] for r in self.roots}
+        for target in [t for t in self._watches if t not in wanted]:
+            try:
+                self._observer.unschedule(self._watches.pop(target)[0])
+            except (KeyError, OSError, ValueError):
+                pass
 
     @property
     def watched(self) -> set[str]:
@@ -223,12 +240,6 @@ class Watcher:
         """
         if self._observer is None:
             return self.start()
-        wanted = {self._target(r)[0] for r in self.roots}
-        for target in [t for t in self._watches if t not in wanted]:
-            try:
-                self._observer.unschedule(self._watches.pop(target)[0])
-            except (KeyError, OSError, ValueError):
-                pass
         return self._schedule_all()
 
     def follow(self, dirs: set[str]) -> None:
