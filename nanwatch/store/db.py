@@ -107,39 +107,81 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 
 
 class WriterLock:
-    """One writing process per database: ``<db>.lock`` held with flock while it writes."""
+    """One writing process per database: an flock on the database file itself.
+
+    Keyed on the file, not its name: a symlink, a hard link, a bind mount or a relative path
+    to a database being written is refused (a second writer through a hard link keeps its own
+    WAL and damages the file). flock does not meet SQLite's own fcntl byte-range locks on a
+    local filesystem, so readers are never blocked. The descriptor is closed only after the
+    connection: closing any descriptor of a file drops the process's fcntl locks on it."""
 
     def __init__(self, db_path: Path, mode: int = 0o600) -> None:
-        self.path = Path(str(db_path) + ".lock")
-        self.mode = mode
+        self.path = db_path
+        self.mode = mode  # when the lock creates the database file
         self.fd: int | None = None
 
     def acquire(self) -> None:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
+            # an empty file is an empty database to SQLite: creating it here changes nothing
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), self.mode)
         except OSError as e:
-            raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
+            raise StoreError(
+                f"{self.path}: cannot open the database for writing ({e.strerror}); check the "
+                "folder's permissions or pass another --db"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
+            holder = _flock_holder(st.st_dev, st.st_ino)
+            who = f"pid {holder}" if holder is not None else "pid unknown"
             raise StoreError(
-                f"{self.path.with_suffix('')}: another nanwatch process (pid {holder}) is "
-                "writing this database; stop it, or pass another --db"
+                f"{self.path}: another nanwatch process ({who}) is writing this database "
+                "(the same file, under this name or another: a link or a relative path); "
+                "stop it, or pass another --db"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _close_quietly(conn: sqlite3.Connection | None) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
+
+
+def _flock_holder(dev: int, ino: int, locks: str = "/proc/locks") -> int | None:
+    """The pid holding an flock on the file (dev, ino), from the kernel's lock table.
+
+    The table names the device as its superblock knows it, which stat does not always report
+    (btrfs subvolumes): one flock on the same inode number is taken to be it."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    same_ino: list[int] = []
+    try:
+        with open(locks, encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2153162 0 EOF" ("->" marks waiters)
+                if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                if parts[5] == want:
+                    return int(parts[4])
+                if parts[5].rsplit(":", 1)[-1] == str(ino):
+                    same_ino.append(int(parts[4]))
+    except (OSError, ValueError):
+        return None
+    return same_ino[0] if len(same_ino) == 1 else None
 
 
 class Store:
@@ -221,7 +263,7 @@ class Store:
         lock = WriterLock(p, mode)
         if exclusive:
             lock.acquire()
-        wconn: sqlite3.Connection | None = None
+        wconn: sqlite3.Connection | None = None  # closed before the lock on failure
         try:
             wconn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
@@ -241,13 +283,11 @@ class Store:
             store.lock = lock
             store._migrate()
         except sqlite3.Error as e:
-            if wconn is not None:
-                wconn.close()
+            _close_quietly(wconn)
             lock.release()
             raise _explain(p, e) from None
         except BaseException:
-            if wconn is not None:
-                wconn.close()
+            _close_quietly(wconn)
             lock.release()
             raise
         return store
