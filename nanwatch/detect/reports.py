@@ -15,6 +15,13 @@ from ..stream import StreamState
 
 BLOCK_LINES = 40  # lines within which detections of one family are one failure report
 FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
+# A process failure read by the generic layer (a traceback's last line, a vendor's error code) is
+# part of whatever failure report of its rank is open: "ERR00100 PTA call acl api failed" before
+# the HCCL code that says what failed, a RuntimeError after an NCCL error. A report it opens takes
+# the family of the first specific line that joins it.
+GENERIC_PRIORITY = -15  # at or below it (and above a companion summary's) a rule is generic
+_ANY = "*"
+_FAILURES = {_ANY, "comm", "oom", "process_failure"}  # a NaN report is not a failure report
 _MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
 
 
@@ -37,6 +44,8 @@ class Feed:
 def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> None:
     """Add ``ev`` to the events, or fold it into the open report it belongs to."""
     family = FAMILY.get(ev.kind, ev.kind)
+    if ev.kind == "process_failure" and -100 < prio <= GENERIC_PRIORITY:
+        family = _ANY
     blocks = state.blocks
     for k in [k for k, b in blocks.items() if line_no - b[1] > BLOCK_LINES]:
         del blocks[k]
@@ -45,7 +54,9 @@ def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> N
 
     def usable(k: str) -> bool:
         b = blocks.get(k)
-        return b is not None and b[0] == family and b[1] >= state.progress_line
+        if b is None or b[1] < state.progress_line:
+            return False
+        return b[0] == family or (_ANY in (b[0], family) and {b[0], family} <= _FAILURES)
 
     found: str | None = None
     if key != "?":
@@ -69,7 +80,8 @@ def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> N
         new_key = "?" if merged.rank is None else str(merged.rank)
         blocks.pop(found)
         f.opened.pop(found)
-        blocks[new_key] = [family, line_no, f.prios[idx], merged.kind]
+        fam = b[0] if family == _ANY else family
+        blocks[new_key] = [fam, line_no, f.prios[idx], merged.kind]
         f.opened[new_key] = idx
     elif prio > b[2] and ev.kind != b[3]:
         # the report's first event was committed with an earlier chunk; a stronger line of

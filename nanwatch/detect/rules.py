@@ -51,6 +51,12 @@ Optional rule keys (all backward compatible):
 - context rules whose pattern has a ``loss``/``iter``/``step`` group or ``metrics`` mark an
   iteration line: it closes open failure reports and clears traceback hints. A hint rule may
   also name a ``rank`` (``RankID:8`` in an error line): it stands for the next events' rank.
+- ``opens = "<record>"`` on a context rule: the line opens a record of that name for its rank
+  (a Python traceback's ``Traceback (most recent call last):`` header); ``within = "<record>"``
+  on an event rule: the rule is only tried while such a record is open (the traceback's final
+  exception line, whatever the exception). Any detection on an unindented line of that rank, an
+  iteration line, or ``RECORD_LINES`` lines close it. A record opened on the line before is not
+  replaced by another name (``Exception ignored in:`` names the traceback that follows it).
 - metric groups named ``*_ms`` are converted to seconds.
 - ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
   ``nanwatch runs --json`` shows and the knowledge base reads):
@@ -238,6 +244,8 @@ class Rule:
     alone: bool = False
     progress: bool = False  # an iteration line: closes failure reports, clears hints
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
+    opens: str | None = None  # a context rule: the record (traceback) this line opens
+    within: str | None = None  # an event rule: only tried inside an open record of this name
 
     @property
     def chunk(self) -> bool:
@@ -284,6 +292,8 @@ _RULE_KEYS = {
     "lines",
     "alone",
     "facts",
+    "opens",
+    "within",
 }
 _EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "facts", "note"}
 
@@ -466,6 +476,14 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
             raise _fail(src, rid, f"lines must be an integer from 1 to 20, got {nlines!r}")
         if nlines > 1 and raw.get("chunk"):
             raise _fail(src, rid, "`lines` and `chunk = true` cannot be combined")
+        opens, within = raw.get("opens"), raw.get("within")
+        for key, val, want in (("opens", opens, "context"), ("within", within, "event")):
+            if val is None:
+                continue
+            if rtype != want:
+                raise _fail(src, rid, f"`{key}` is only for {want} rules")
+            if not isinstance(val, str) or not val.isidentifier():
+                raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -496,6 +514,8 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 alone=bool(raw.get("alone", False)),
                 progress=progress,
                 facts=dict(facts),
+                opens=opens,
+                within=within,
             )
         )
 
