@@ -167,6 +167,28 @@ def _scan(tmp_path: Path, *paths: Path) -> tuple[list[dict[str, object]], list[d
     return incidents, events
 
 
+def test_a_host_oom_kill_and_the_rank_it_killed_are_one_oom_incident(tmp_path: Path) -> None:
+    run = tmp_path / "job"
+    run.mkdir()
+    (run / "train.log").write_text(
+        "2026-12-01 10:10:10,000 - INFO - step 110 | loss: 2.30\n"
+        "E1201 10:10:36.620000 2606 site-packages/torch/distributed/elastic/multiprocessing/"
+        "api.py:869] failed (exitcode: -9) local_rank: 5 (pid: 2630) of binary: /usr/bin/python\n",
+        encoding="utf-8",
+    )
+    (run / "kern.log").write_text(
+        "Dec 01 10:10:34 gpu-node-3 kernel: [81234.551020] Memory cgroup out of memory: Killed "
+        "process 2630 (python) total-vm:98123400kB, anon-rss:61200300kB, file-rss:10240kB, "
+        "shmem-rss:2048kB, UID:1000 pgtables:140000kB oom_score_adj:0\n",
+        encoding="utf-8",
+    )
+    incidents, events = _scan(tmp_path, run)
+    assert sorted(e["kind"] for e in events) == ["oom", "process_failure"]
+    oom = next(e for e in events if e["kind"] == "oom")
+    assert oom["device"] == "cpu" and oom["fields"]["memory"] == "host"
+    assert [(i["kind"], i["event_count"]) for i in incidents] == [("oom", 2)]
+
+
 def test_a_run_that_dies_of_an_unnamed_error_is_an_incident(tmp_path: Path) -> None:
     run = TrainingRun(tmp_path / "work_dirs" / "exp", ranks=2, nan_rank=None, nan_at=None)
     run.write()
@@ -182,7 +204,7 @@ def test_a_run_that_dies_of_an_unnamed_error_is_an_incident(tmp_path: Path) -> N
 
 def test_healthy_simulated_runs_and_fixtures_stay_quiet() -> None:
     """Nothing the generic layer reads in logs that hold no failure of its kind."""
-    generic = ("generic.",)
+    generic = ("generic.", "host.")
     paths = [p for p in FIXTURES.rglob("*") if p.is_file() and p.suffix != ".json"]
     for path in paths:
         events, _ = DETECTOR.feed(path.read_bytes(), 0, StreamState(), str(path))
