@@ -204,7 +204,7 @@ def test_a_run_that_dies_of_an_unnamed_error_is_an_incident(tmp_path: Path) -> N
 
 def test_healthy_simulated_runs_and_fixtures_stay_quiet() -> None:
     """Nothing the generic layer reads in logs that hold no failure of its kind."""
-    generic = ("generic.", "host.")
+    generic = ("generic.", "host.", "scheduler.")
     paths = [p for p in FIXTURES.rglob("*") if p.is_file() and p.suffix != ".json"]
     for path in paths:
         events, _ = DETECTOR.feed(path.read_bytes(), 0, StreamState(), str(path))
@@ -219,3 +219,22 @@ def test_healthy_simulated_training_gives_nothing(tmp_path: Path) -> None:
         if log.is_file():
             events, _ = DETECTOR.feed(log.read_bytes(), 0, StreamState(), str(log))
             assert events == [], (log, [e.message for e in events[:3]])
+
+
+def test_a_scheduler_kill_is_a_failure_with_its_reason(tmp_path: Path) -> None:
+    run = tmp_path / "slurm-4410"
+    run.mkdir()
+    (run / "slurm-4410.out").write_text(
+        "2026-12-01 10:10:10,000 - INFO - step 110 | loss: 2.30\n"
+        "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.\n"
+        "slurmstepd: error: *** JOB 4410 ON gpu-a17 CANCELLED AT 2026-12-01T10:20:00 DUE TO "
+        "TIME LIMIT ***\n"
+        "slurmstepd: error: *** STEP 4410.0 ON gpu-a17 CANCELLED AT 2026-12-01T10:20:00 DUE TO "
+        "TIME LIMIT ***\n",
+        encoding="utf-8",
+    )
+    incidents, events = _scan(tmp_path, run)
+    assert [(e["kind"], e["fields"]["reason"]) for e in events] == [
+        ("process_failure", "TIME LIMIT")
+    ]
+    assert [i["kind"] for i in incidents] == ["process_failure"]
