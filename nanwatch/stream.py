@@ -54,6 +54,9 @@ class StreamState:
     progress_line: int = 0  # the last iteration line: failure reports do not span it
     # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
     blocks: dict[str, list[Any]] = field(default_factory=dict)
+    # open records (tracebacks) by rank ("?" unknown): [name, line it opened on]; replaced,
+    # never mutated in place
+    records: dict[str, list[Any]] | None = None
     last_time: str | None = None
     # the rank the in-process companion announced in this stream; -1: several did (a shared one)
     announced: int | None = None

@@ -152,6 +152,26 @@ def test_check_fails_on_an_example_its_rule_does_not_match(tmp_path: Path) -> No
     assert [(r["rule"], r["example"]) for r in rows] == [("site.loss_exploded", 1)]
 
 
+def test_a_claimed_example_passes_only_through_the_rule_it_names(tmp_path: Path) -> None:
+    site = tmp_path / "packs"
+    site.mkdir()
+    claimed = BORROWED.replace(
+        '[[rule.example]]\nline = "Epoch(train)',
+        '[[rule.example]]\nclaimed_by = "mmengine.nonfinite"\nline = "Epoch(train)',
+    )
+    assert claimed != BORROWED
+    (site / "ours.toml").write_text(claimed, encoding="utf-8")
+    res = CliRunner().invoke(cli, ["rules", "--check", str(site)])
+    assert res.exit_code == 0, res.output
+    (site / "ours.toml").write_text(
+        claimed.replace('claimed_by = "mmengine.nonfinite"', 'claimed_by = "oom.cuda_error"'),
+        encoding="utf-8",
+    )
+    res = CliRunner().invoke(cli, ["rules", "--check", str(site)])
+    assert res.exit_code == 1
+    assert "not claimed by oom.cuda_error" in res.output + (res.stderr or "")
+
+
 def test_site_pack_with_a_failing_example_is_a_config_error_at_start(tmp_path: Path) -> None:
     cfg = _config(tmp_path, BORROWED)
     log = tmp_path / "train.log"

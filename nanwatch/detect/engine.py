@@ -31,11 +31,13 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # A line that starts a record of its own, never the wrapped tail of the line before it.
 _NEW_RECORD = re.compile(
     r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
-    r"During handling|The above exception|Exception raised from"
+    r"During handling|The above exception|Exception raised from|"
+    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
 )
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
+RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) stays open
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
@@ -403,6 +405,26 @@ class Detector:
         state.hint_local_rank = None
         if state.blocks:
             state.blocks = {}
+        state.records = None
+
+    @staticmethod
+    def _open_record(state: StreamState, name: str, rank: Any, line_no: int) -> None:
+        key = "?" if rank is None else str(rank)
+        old = (state.records or {}).get(key)
+        if old is not None and old[0] != name and line_no - old[1] <= 1:
+            return  # the line before named this record ("Exception ignored in:")
+        state.records = {**(state.records or {}), key: [name, line_no]}
+
+    @staticmethod
+    def _in_record(state: StreamState, name: str, rank: Any, line_no: int) -> bool:
+        rec = (state.records or {}).get("?" if rank is None else str(rank))
+        return rec is not None and rec[0] == name and line_no - rec[1] <= RECORD_LINES
+
+    @staticmethod
+    def _close_record(state: StreamState, rank: Any) -> None:
+        key = "?" if rank is None else str(rank)
+        if state.records and key in state.records:
+            state.records = {k: v for k, v in state.records.items() if k != key} or None
 
     def _apply_chunk_rule(
         self,
@@ -531,6 +553,8 @@ class Detector:
             self._set_state(state, values, line_no, rule.hint, rule.entry)
             if rule.hint:
                 self._record_rank(state, values, prefix_attrs, line_no)
+            if rule.opens is not None:
+                self._open_record(state, rule.opens, prefix_attrs.get("rank"), line_no)
             if rule.progress:
                 self._progress(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:
@@ -551,6 +575,9 @@ class Detector:
         for rule in ev_rules:
             if not any(lit in text for lit in rule.literals):
                 continue
+            rank = prefix_attrs.get("rank")
+            if rule.within is not None and not self._in_record(state, rule.within, rank, line_no):
+                continue
             found = self._match(rule, text, end, f.chunk)
             if found is None:
                 continue
@@ -561,7 +588,10 @@ class Detector:
             if rule.alone:
                 f.events.append(ev)
             else:
-                report(ev, c.strength[rule.id], state, line_no, f)
+                report(ev, c.strength[rule.id], state, line_no, f, generic=rule.tier == "generic")
+            if state.records and (rule.within is not None or not text[:1].isspace()):
+                # a traceback's final line was read (by this rule or a more specific one)
+                self._close_record(state, rank)
             if used_end > end:
                 f.skip_to = used_end
             return

@@ -78,7 +78,11 @@ def _sort(item: Rule | Prefix | None) -> str:
 def check_example(detector: Detector, item: Rule | Prefix, ex: Example) -> str | None:
     """The first thing ``ex`` gets wrong, or None."""
     out = run_example(detector, ex)
-    if _positive(ex) and item.id not in out.fired:
+    if ex.claimed_by is not None:
+        # precedence, shown on the weaker rule's side: the stronger rule takes the line
+        if ex.claimed_by not in out.fired:
+            return f"not claimed by {ex.claimed_by} (fired: {', '.join(sorted(out.fired)) or '-'})"
+    elif _positive(ex) and item.id not in out.fired:
         # the rules that took its lines instead: of its own sort (an event rule's lines also
         # wake context rules up, which is no news)
         others = sorted(

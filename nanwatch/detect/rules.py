@@ -49,6 +49,9 @@ Optional rule keys (all backward compatible):
   the line of the rule tried first (the later line when one rule matched both: a traceback's
   final exception line), and missing attributes and fields from every line. The numeric
   ``priority`` of earlier versions is refused with the tier to use instead.
+- an example's ``claimed_by = "<rule id>"``: the line is one this rule would read but a stronger
+  rule takes first; the example passes when that rule took it (precedence, shown on the weaker
+  rule's side).
 - ``lines`` (int, default 1): the pattern sees this many lines joined with ``\n`` (prefixes
   stripped), for records printed over several lines (torchrun's failure summary).
 - ``alone = true``: every matching line is a detection of its own, never folded into a failure
@@ -62,6 +65,12 @@ Optional rule keys (all backward compatible):
   ``<module>`` frame, torchrun's ``train.py FAILED``): every rank runs it, so it also names the
   stage of the reports of other ranks printed just before, and it is weaker than a loop frame
   (``in val_step``), which it never replaces. A stage nothing names stays unknown (null).
+- ``opens = "<record>"`` on a context rule: the line opens a record of that name for its rank
+  (a Python traceback's ``Traceback (most recent call last):`` header); ``within = "<record>"``
+  on an event rule: the rule is only tried while such a record is open (the traceback's final
+  exception line, whatever the exception). Any detection on an unindented line of that rank, an
+  iteration line, or ``RECORD_LINES`` lines close it. A record opened on the line before is not
+  replaced by another name (``Exception ignored in:`` names the traceback that follows it).
 - metric groups named ``*_ms`` are converted to seconds.
 - ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
   ``nanwatch runs --json`` shows and the knowledge base reads):
@@ -212,6 +221,8 @@ class Example:
     state: Mapping[str, Any]
     metrics: Mapping[str, Any] | None
     facts: Mapping[str, Any] | None = None  # run facts the lines must tell
+    # a line this rule would read that a more specific rule reads first: that rule must take it
+    claimed_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +261,8 @@ class Rule:
     progress: bool = False  # an iteration line: closes failure reports, clears hints
     entry: bool = False  # a hint from the launch's entry script: weaker than a loop frame
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
+    opens: str | None = None  # a context rule: the record (traceback) this line opens
+    within: str | None = None  # an event rule: only tried inside an open record of this name
 
     @property
     def chunk(self) -> bool:
@@ -310,8 +323,21 @@ _RULE_KEYS = {
     "alone",
     "facts",
     "entry",
+    "opens",
+    "within",
 }
-_EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "facts", "note"}
+_EXAMPLE_KEYS = {
+    "line",
+    "lines",
+    "file",
+    "event",
+    "events",
+    "state",
+    "metrics",
+    "facts",
+    "note",
+    "claimed_by",
+}
 
 
 def _fail(src: Path, rule_id: str | None, msg: str) -> RuleError:
@@ -383,6 +409,7 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
                 state=ex.get("state", {}),
                 metrics=ex.get("metrics"),
                 facts=ex.get("facts"),
+                claimed_by=ex.get("claimed_by"),
             )
         )
     return tuple(out)
@@ -507,6 +534,14 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
             raise _fail(src, rid, f"lines must be an integer from 1 to 20, got {nlines!r}")
         if nlines > 1 and raw.get("chunk"):
             raise _fail(src, rid, "`lines` and `chunk = true` cannot be combined")
+        opens, within = raw.get("opens"), raw.get("within")
+        for key, val, want in (("opens", opens, "context"), ("within", within, "event")):
+            if val is None:
+                continue
+            if rtype != want:
+                raise _fail(src, rid, f"`{key}` is only for {want} rules")
+            if not isinstance(val, str) or not val.isidentifier():
+                raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -538,6 +573,8 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 progress=progress,
                 facts=dict(facts),
                 entry=bool(raw.get("entry", False)),
+                opens=opens,
+                within=within,
             )
         )
 
