@@ -542,6 +542,10 @@ class Passes:
                 self.stats.lines += p.lines
                 if rec.run_id is not None:
                     self.stats.runs.add(rec.run_id)
+                    # a run's start and end as its logs tell them (`runs`, datasette)
+                    self.store.widen_run_span(
+                        rec.run_id, [e.time for e in events] + [m[6] for m in p.metrics]
+                    )
         for p in batch:
             if not p.chunk.final:
                 self.tracker.committed(p.chunk)
