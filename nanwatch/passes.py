@@ -178,6 +178,8 @@ class Passes:
         # called on the writer thread after every commit: a long catch-up still shows progress
         self.on_progress: Callable[[], None] | None = None
         self._reconfigured = False
+        # when events count as read (their ingested_at); a replay passes its simulated clock
+        self.now_utc: Callable[[], str] = now_utc
         self._correlated = float("-inf")  # when the correlator last ran (monotonic)
         self._next_slowdowns = 0.0
 
@@ -504,7 +506,7 @@ class Passes:
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        ingested = now_utc()
+        ingested = self.now_utc()
         with self.store.transaction():
             # what launchers printed first: a rank's events read in the same batch as the
             # launcher's log get their local ranks from it

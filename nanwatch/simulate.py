@@ -11,9 +11,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DINO_LOSSES = (
     ["loss_cls", "loss_bbox", "loss_iou"]
@@ -324,6 +325,48 @@ class TrainingRun:
 
     def _path(self, line: Line) -> Path:
         return self.launch_dir / line.file if line.file else self.rank_path(line.rank)
+
+    def feed(self, at_point: Callable[[float], None], *, every: int = 200) -> None:
+        """Append the lines in their fixed order, calling ``at_point(simulated seconds since the
+        start)`` with everything written so far flushed: after the last line, and at the
+        end of a simulated instant once ``every`` lines were written since the last point (or
+        before a quiet stretch). The same run always stops at the same points, so what a reader
+        makes of it at each point is the same every time (the demo's replay)."""
+        self.launch_dir.mkdir(parents=True, exist_ok=True)
+        handles: dict[Path, Any] = {}
+        written = 0
+        now: float | None = None
+
+        touched: set[Path] = set()
+
+        def point(t: float) -> None:
+            nonlocal written
+            # files look written at the simulated time (msprobe rows carry no time of their
+            # own: readers take the file's mtime)
+            when = (self.start + _dt.timedelta(seconds=t)).timestamp()
+            for path in touched:
+                handles[path].flush()
+                os.utime(path, (when, when))
+            touched.clear()
+            at_point(t)
+            written = 0
+
+        try:
+            for line in self.lines():
+                if now is not None and line.t != now and (written >= every or line.t - now > 60):
+                    point(now)
+                now = line.t
+                path = self._path(line)
+                if path not in handles:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    handles[path] = open(path, "a", encoding="utf-8")  # noqa: SIM115
+                handles[path].write(line.text + "\n")
+                touched.add(path)
+                written += 1
+            point(now or 0.0)
+        finally:
+            for h in handles.values():
+                h.close()
 
     def replay(
         self,
