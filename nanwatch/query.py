@@ -100,7 +100,8 @@ def iter_events(
 _INCIDENT_SELECT = (
     "SELECT i.id, i.kind, i.title, i.status, r.name, r.experiment, i.ranks, i.first_time, "
     "i.last_time, i.event_count, i.origin, i.hints, i.severity, i.detail, i.created_at, "
-    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run "
+    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run, "
+    "i.acked_by, i.acked_at, i.ack_note, i.resolved_by, i.resolve_note "
     "FROM incidents i LEFT JOIN runs r ON r.id = i.run_id"
 )
 
@@ -128,6 +129,11 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         node,
         job,
         cluster_run,
+        acked_by,
+        acked_at,
+        ack_note,
+        resolved_by,
+        resolve_note,
     ) = row
     info = json.loads(detail or "{}")
     # where its events were read: one node, or several in a merged database
@@ -155,6 +161,14 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         "job": job,
         "cluster_run": cluster_run,
         "nodes": sorted(str(n) for n in nodes),
+        # people's part: `nanwatch ack` / `nanwatch resolve` (None until someone does)
+        "acked_by": acked_by,
+        "acked_at": acked_at,
+        "ack_note": ack_note,
+        "resolved_by": resolved_by,
+        "resolve_note": resolve_note,
+        # why it was resolved: the person's note, or what nanwatch saw
+        "resolution": resolve_note if resolved_by else info.get("resolution"),
     }
 
 

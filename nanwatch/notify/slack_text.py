@@ -154,6 +154,12 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
             text += f"\n_{len(hints) - 1} more known cause(s): nanwatch show {iid}_"
         blocks.append(_section(clip(text, SECTION_MAX, more)))
     footer = f"More: `nanwatch show {iid}`"
+    if inc.get("acked_by"):
+        footer += f"  ·  acknowledged by {escape(inc['acked_by'])} at {escape(inc.get('acked_at'))}"
+    if inc.get("resolved_by"):
+        footer += (
+            f"  ·  resolved by {escape(inc['resolved_by'])} at {escape(inc.get('resolved_at'))}"
+        )
     if inc.get("updated_at"):
         footer += f"  ·  updated {escape(inc['updated_at'])}"
     blocks.append({"type": "context", "elements": [_mrkdwn(clip(footer, CONTEXT_MAX))]})
