@@ -23,7 +23,7 @@ from ._common import handle_errors, out_color, out_width, setup_logging
     type=float,
     default=30.0,
     show_default=True,
-    help="How much faster than real time the runs are replayed.",
+    help="How much faster than real time the runs are replayed (0: without pauses).",
 )
 @click.option(
     "--dir",

@@ -101,6 +101,7 @@ class Correlator:
         self.knowledge = knowledge
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
+        self._relaunch_upto: Any = None  # (metrics, incidents) ids relaunches were looked at
 
     def process(
         self, *, live: bool = False, now: float | None = None, slowdowns: bool = True
@@ -531,6 +532,13 @@ class Correlator:
         """Open incidents that a later run of the same experiment trained past: its training
         reached a step beyond the incident's origin step (or an epoch beyond its epoch)."""
         out: list[Change] = []
+        # only new step counts (or new incidents) can change the answer: look again then
+        newest = self.store.conn.execute(
+            "SELECT (SELECT max(id) FROM metrics), (SELECT max(id) FROM incidents)"
+        ).fetchone()
+        if newest == self._relaunch_upto:
+            return out
+        self._relaunch_upto = newest
         rows = self.store.conn.execute(
             "SELECT i.id, i.version, i.detail, i.origin, r.id, r.experiment FROM incidents i "
             "JOIN runs r ON r.id = i.run_id WHERE i.status = 'open' AND r.experiment IS NOT NULL"
