@@ -199,7 +199,8 @@ def incidents_table(
                 i.get("event_count", 0),
                 time_forms(i.get("first_time")),
                 origin_text(i.get("origin") or {}),
-                i.get("title") or "",
+                # the RUN column says it already
+                str(i.get("title") or "").replace(f" (run {run})", ""),
             )
         )
     columns = [
@@ -212,7 +213,7 @@ def incidents_table(
         Column("FIRST", squeeze=2),
         Column("ORIGIN", cut="end", cut_rank=2, min_width=12, drop_rank=1),
         # the title goes first when space runs out: `show ID` tells the whole story
-        Column("TITLE", cut="end", cut_rank=1, min_width=12),
+        Column("TITLE", cut="end", cut_rank=1, min_width=20),
     ]
     return fit(rows, columns, width=width, styles=[_style(i) for i in incidents], color=color)
 

@@ -550,7 +550,9 @@ class Correlator:
                 continue
             later = self.store.conn.execute(
                 "SELECT r.name, max(m.step), max(m.epoch) FROM runs r "
+                # a step counts when it trained: its loss is finite (SQLite stores NaN as NULL)
                 "JOIN metrics m ON m.run_id = r.id AND m.stage = 'train' "
+                "AND m.loss IS NOT NULL AND abs(m.loss) < 1e300 "
                 "WHERE r.experiment = ? AND r.id > ? GROUP BY r.id ORDER BY r.id",
                 (experiment, run_id),
             ).fetchall()
