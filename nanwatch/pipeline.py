@@ -7,6 +7,7 @@ sender thread only reads and reports back.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from .passes import Passes
 from .sources import Root, make_roots
 from .sources.watcher import Watcher, choose_mode
 from .store import Store
+from .store.db import damaged, is_damage
 
 log = logging.getLogger("nanwatch")
 
@@ -256,7 +258,13 @@ class Pipeline(Passes):
         committed, so nothing is lost; the daemon says so once, waits and tries again."""
         try:
             changes = self.step(**kw)
+        except sqlite3.DatabaseError as e:
+            if is_damage(e):
+                raise damaged(self.store.path, str(e)) from None
+            raise
         except StoreError as e:
+            if e.damaged:
+                raise  # a corrupt file does not heal: stop, and let the message say how to recover
             if self.paused != str(e):
                 log.error("%s; paused: nothing read is lost, retrying every %.0f s", e, PAUSE_RETRY)
             self.paused = str(e)

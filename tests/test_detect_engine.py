@@ -194,7 +194,7 @@ def test_healthy_lines_of_every_family_stay_clean() -> None:
         "2024/08/26 16:38:23 - mmengine - INFO - Epoch(train)  [1][200/953]  lr: 1.0043e-03  "
         "eta: 5:34:07  time: 0.5117  data_time: 0.0025  memory: 5483  grad_norm: 227.8793  "
         "loss: 4.6860",
-        "[2023-09-13 10:20:36,763] torch.distributed.run: [WARNING] Setting OMP_NUM_THREADS "
+        "[2023-09-14 10:37:59,763] torch.distributed.run: [WARNING] Setting OMP_NUM_THREADS "
         "environment variable for each process to be 1 in default",
         "  fp16.loss_scale ................ 0",
         "Best val loss: inf -> 0.532, saving checkpoint",

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import click
 from ..config import Config, default_db_path, load_config
 from ..errors import ConfigError, NanwatchError, StoreError
 from ..store import Store
+from ..store.db import damaged, is_damage
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,6 +65,12 @@ def handle_errors(f: F) -> F:
             return f(*args, **kwargs)
         except NanwatchError as e:
             click.echo(f"nanwatch: error: {e}", err=True)
+            sys.exit(EXIT_ERROR)
+        except sqlite3.DatabaseError as e:
+            # a query met a damaged page the bounded check at open did not reach
+            if not is_damage(e):
+                raise
+            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
             sys.exit(EXIT_ERROR)
         except BrokenPipeError:
             # e.g. `nanwatch events | head`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -151,9 +152,10 @@ def replay(
             f"  category {c['category_id']} ({c['name']}): {c['annotations']} annotations "
             "outside the classes"
         )
+    db_arg = shlex.quote(str(db_path))
     say(
-        f"\nExplore it:\n  nanwatch incidents --json --db {db_path}\n"
-        f"  nanwatch show 1 --db {db_path}\n  nanwatch events --kind nan --db {db_path}"
+        f"\nExplore it:\n  nanwatch incidents --json --db {db_arg}\n"
+        f"  nanwatch show 1 --db {db_arg}\n  nanwatch events --kind nan --db {db_arg}"
     )
     return db_path
 

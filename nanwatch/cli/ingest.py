@@ -38,7 +38,7 @@ def _sinks(config: Any, *, console: bool) -> list[Any]:
 
         settings = slack_settings(config)
         if settings is not None:
-            sinks.append(SlackSink(settings, config.alerts))
+            sinks.append(SlackSink(settings, config.alerts, config_path=config.path))
     if config.alertmanager.urls:
         from ..notify.alertmanager import AlertmanagerSink
         from ..sources.identity import this_node

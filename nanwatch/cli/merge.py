@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -99,6 +100,6 @@ def merge(config_path: Path | None, as_json: bool, out: Path, nodes: tuple[Path,
         for inc in incidents:
             nodes_text = ",".join(inc["nodes"]) or "-"
             click.echo(f"  {render_incident_line(inc)} [nodes {nodes_text}]")
-        click.echo(f"See `nanwatch show ID --db {out}` for the story.")
+        click.echo(f"See `nanwatch show ID --db {shlex.quote(str(out))}` for the story.")
     else:
         click.echo(f"{out}: no incidents.")

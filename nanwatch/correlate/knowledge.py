@@ -7,7 +7,7 @@ An entry says when it applies to an incident, what to tell people and what to ru
     title = "Validation ran out of memory; the other ranks' timeouts are a symptom"
     priority = 90                 # higher first
     text = "..."                  # may use {cann}, {torch}, ... and {rank}, {stage}, {run}
-    commands = ["..."]
+    commands = ["nanwatch events --run {run}"]   # values are shell-quoted: no quotes around {run}
     [cause.when]                  # every condition must hold
     kind = ["oom"]                # incident kind
     stage = ["val"]               # origin stage
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuleError
+from .commands import check_command, fill_command
 from .facts import HOW_TO_FIND, node_cann_version, satisfies
 from .samples import SAMPLE_REASONS
 
@@ -169,9 +170,8 @@ class Cause:
         values.update({k: s.origin.get(k) for k in ("rank", "stage", "step", "tensor", "module")})
         values["run"] = s.run
         values["work_dir"] = s.work_dir
-        # the run's config when its work_dir holds one, else every .py file there
-        values["config"] = s.extra.get("config") or (f"{s.work_dir}/*.py" if s.work_dir else None)
-        for k in ("incident", "annotations", "classes"):
+        # the config file the run's work_dir holds (mmengine dumps it there), the incident...
+        for k in ("config", "incident", "annotations", "classes"):
             values[k] = s.extra.get(k)
         text = _fill(self.text, values)
         notes = []
@@ -193,7 +193,7 @@ class Cause:
             "id": self.id,
             "title": _fill(self.title, values),
             "text": text,
-            "commands": [_fill(c, values) for c in self.commands],
+            "commands": [fill_command(c, values) for c in self.commands],
         }
 
 
@@ -219,6 +219,16 @@ def _fill(template: str, values: Mapping[str, Any]) -> str:
         return str(v) if v is not None else f"<{name}>"
 
     return re.sub(r"\{(\w+)\}", sub, template)
+
+
+def _commands(src: Path, cid: str, raw: object) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(c, str) for c in raw):
+        raise _fail(src, cid, "commands: expected a list of strings")
+    for i, c in enumerate(raw):
+        why = check_command(c)
+        if why:
+            raise _fail(src, cid, f"commands[{i}] {c!r}: {why}")
+    return tuple(raw)
 
 
 def _situation(raw: Mapping[str, Any]) -> Situation:
@@ -299,7 +309,7 @@ def load_causes(src: Path, seen: dict[str, Path]) -> list[Cause]:
                 id=cid,
                 title=raw["title"],
                 text=raw["text"],
-                commands=tuple(raw.get("commands", ())),
+                commands=_commands(src, cid, raw.get("commands", [])),
                 priority=int(raw.get("priority", 0)),
                 when=when,
                 source=src,

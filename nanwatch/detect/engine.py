@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal as _signal
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..dates import file_bound
 from ..events import DEVICES, Event, Metric
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
@@ -66,11 +68,17 @@ class Detector:
     """Applies a RuleSet to streams. Stateless itself: each stream passes its StreamState."""
 
     def __init__(
-        self, rules: RuleSet, *, default_year: int | None = None, automaton: bool = True
+        self,
+        rules: RuleSet,
+        *,
+        default_year: int | None = None,
+        automaton: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._c = Compiled(rules, automaton=automaton)
         self.rules = rules
         self.times = TimeParser(default_year)
+        self._clock = clock  # the bound of a year-less line's date when the bytes have no file
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -90,6 +98,9 @@ class Detector:
         when it is given.
         """
         c = self._c
+        # year-less timestamps: not after the file was last written, not before the stream's
+        # previous dated line
+        self.times.begin(file_bound(file, self._clock), state.last_time)
         lines = c.lines(chunk)
         # the in-process companion's records (one cheap search; most chunks have none)
         records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()

@@ -9,6 +9,7 @@ the same event rows (invariants 1 and 2). FULL would add an fsync per commit for
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -20,9 +21,11 @@ from typing import Any
 
 from ..errors import StoreError
 from ..events import Event, now_utc
+from . import files
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
+log = logging.getLogger("nanwatch.store")
 _TIMESTAMP_LAUNCH = re.compile(r"(?:^|/)\d{8}_\d{6}$")  # mmengine's launch folders
 
 EVENT_COLUMNS = (
@@ -34,14 +37,60 @@ EVENT_COLUMNS = (
 _EVENT_KEYS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
 
 
+def recovery_steps(path: Path | str) -> str:
+    """What to do with a damaged database file (``doctor`` and every error say the same)."""
+    return (
+        f"stop nanwatch, move the file aside (mv {path} {path}.bad), then either start afresh "
+        f"(offsets restart, logs are read again) or salvage it with: "
+        f"sqlite3 {path}.bad .recover | sqlite3 {path}"
+    )
+
+
+def is_damage(e: BaseException) -> bool:
+    """SQLite's own words for a corrupt file (SQLITE_CORRUPT, SQLITE_NOTADB)."""
+    msg = str(e)
+    return isinstance(e, sqlite3.DatabaseError) and ("not a database" in msg or "malformed" in msg)
+
+
+def damaged(path: Path | str, what: str) -> StoreError:
+    return StoreError(
+        f"{path}: the database is damaged ({what}). Recovery: {recovery_steps(path)}",
+        damaged=True,
+    )
+
+
+# The check at open reads every page once; on a very large file it stops after this long and
+# the open goes on (a damaged page met later is still reported, then, by the pass that meets it).
+_CHECKED: set[str] = set()  # databases this process's writer checked at open
+CHECK_BUDGET = 10.0  # seconds, for the writer (`watch`, `scan`)
+READ_CHECK_BUDGET = 1.0  # seconds, for read commands, which should answer at once
+
+
+def check_integrity(conn: sqlite3.Connection, path: Path, budget: float) -> bool:
+    """``PRAGMA quick_check`` bounded by ``budget`` seconds: raise the damaged StoreError when
+    it finds a problem; False when it ran out of time (unchecked), True when intact."""
+    deadline = time.monotonic() + budget
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10000)
+    try:
+        rows = conn.execute("PRAGMA quick_check(3)").fetchall()
+    except sqlite3.OperationalError as e:
+        if "interrupt" in str(e):
+            return False
+        raise
+    except sqlite3.DatabaseError as e:
+        raise damaged(path, str(e)) from None
+    finally:
+        conn.set_progress_handler(None, 0)
+    problems = [" ".join(str(r[0]).split()) for r in rows if r and r[0] != "ok"]
+    if problems:
+        raise damaged(path, "; ".join(problems[:2])[:300])
+    return True
+
+
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
     msg = str(e)
-    if "not a database" in msg or "malformed" in msg:
-        return StoreError(
-            f"{path}: the database is damaged ({msg}). Recovery: stop nanwatch, move the file "
-            f"aside (mv {path} {path}.bad), then either start afresh (offsets restart, logs are "
-            f"read again) or salvage it with: sqlite3 {path}.bad .recover | sqlite3 {path}"
-        )
+    if is_damage(e):
+        return damaged(path, msg)
     if "locked" in msg or "busy" in msg:
         return StoreError(
             f"{path}: the database is locked by another writer ({msg}); only one `nanwatch "
@@ -60,15 +109,16 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 class WriterLock:
     """One writing process per database: ``<db>.lock`` held with flock while it writes."""
 
-    def __init__(self, db_path: Path) -> None:
+    def __init__(self, db_path: Path, mode: int = 0o600) -> None:
         self.path = Path(str(db_path) + ".lock")
+        self.mode = mode
         self.fd: int | None = None
 
     def acquire(self) -> None:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
         except OSError as e:
             raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
         try:
@@ -94,6 +144,8 @@ class WriterLock:
 
 class Store:
     """Owns one connection. The writer thread uses it for every write (invariant 5)."""
+
+    last_opened: Path | None = None  # for the CLI's message when a query meets a damaged page
 
     def __init__(self, path: Path, conn: sqlite3.Connection, *, readonly: bool) -> None:
         self.path = path
@@ -123,7 +175,10 @@ class Store:
         second daemon or scan out; a one-row write from the CLI (a silence) passes False and
         relies on SQLite's own locking for its single transaction."""
         p = Path(path)
+        Store.last_opened = p
         if readonly:
+            if files.unreadable(p):
+                raise files.denied(p)
             if not p.exists():
                 raise StoreError(
                     f"{p}: no database here yet; run `nanwatch scan PATH` or `nanwatch watch` "
@@ -136,8 +191,20 @@ class Store:
                 )
                 conn.execute("PRAGMA query_only=ON")
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version >= SCHEMA_VERSION and str(p) not in _CHECKED:
+                    check_integrity(conn, p, READ_CHECK_BUDGET)
             except sqlite3.Error as e:
+                if "readonly" in str(e) and not os.path.exists(f"{p}-shm"):
+                    raise StoreError(
+                        f"{p}: cannot be read while no nanwatch is writing it: a reader needs "
+                        f"the {p.name}-shm file that `watch` keeps, and may not create it in "
+                        f"{p.parent}; start the service, or run the command as its user "
+                        "(sudo -u nanwatch nanwatch ...)"
+                    ) from None
                 raise _explain(p, e) from None
+            except StoreError:
+                conn.close()
+                raise
             if version < SCHEMA_VERSION:
                 conn.close()
                 # an older schema: open it writable once to migrate
@@ -149,34 +216,38 @@ class Store:
                 )
             store = cls(p, conn, readonly=True)
             return store
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(
-                f"{p.parent}: cannot create the database folder ({e.strerror})"
-            ) from None
-        lock = WriterLock(p)
+        files.make_folder(p.parent)
+        mode = files.prepare(p)
+        lock = WriterLock(p, mode)
         if exclusive:
             lock.acquire()
+        wconn: sqlite3.Connection | None = None
         try:
-            conn = sqlite3.connect(
+            wconn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
             )
-            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+            if not check_integrity(wconn, p, CHECK_BUDGET):
+                log.info("%s: too large to check in %.0f s at start; not checked", p, CHECK_BUDGET)
+            _CHECKED.add(str(p))  # this process's readers need not check it again
+            if wconn.execute("PRAGMA user_version").fetchone()[0] == 0:
                 # a fresh file: auto_vacuum must be chosen before the first page is written,
                 # and switching to WAL writes one
-                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA foreign_keys=OFF")
-            conn.execute("PRAGMA busy_timeout=5000")
-            store = cls(p, conn, readonly=False)
+                wconn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            wconn.execute("PRAGMA journal_mode=WAL")
+            wconn.execute("PRAGMA synchronous=NORMAL")
+            wconn.execute("PRAGMA foreign_keys=OFF")
+            wconn.execute("PRAGMA busy_timeout=5000")
+            store = cls(p, wconn, readonly=False)
             store.lock = lock
             store._migrate()
         except sqlite3.Error as e:
+            if wconn is not None:
+                wconn.close()
             lock.release()
             raise _explain(p, e) from None
         except BaseException:
+            if wconn is not None:
+                wconn.close()
             lock.release()
             raise
         return store
