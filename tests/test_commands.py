@@ -20,7 +20,7 @@ import pytest
 from nanwatch.correlate.commands import check_command, fill_command
 from nanwatch.correlate.knowledge import Knowledge, Situation
 from nanwatch.errors import RuleError
-from nanwatch.notify.slack_text import parent_blocks
+from nanwatch.notify.slack_text import details_text, parent_blocks
 
 KB = Knowledge.load(node_facts=False)
 BASH = shutil.which("bash")
@@ -191,15 +191,17 @@ def test_the_command_shown_in_slack_stays_quoted(tmp_path: Path) -> None:
         texts = [
             b["text"]["text"] for b in parent_blocks(inc) if b["type"] == "section" and "text" in b
         ]
-        (shown,) = [t for t in texts if "Known cause" in t]
-        code = shown.split("```")[1]
-        pasted = html.unescape(code)  # what Slack displays, and a reader copies
-        work = tmp_path / f"s{n}"
-        work.mkdir()
-        env = {"PATH": str(bin_dir), "ARGV_LOG": str(work / "argv.log"), "HOME": str(work)}
-        assert BASH is not None
-        subprocess.run(
-            [BASH, "--norc", "-c", pasted], cwd=work, env=env, capture_output=True, timeout=10
-        )
-        made = sorted(p.name for p in work.iterdir() if p.name != "argv.log")
-        assert not made, f"{pasted!r} created {made}"
+        (shown,) = [ln for t in texts for ln in t.split("\n") if ln.startswith("*Next:* `")]
+        # the parent's code span, and the thread's code block
+        codes = [shown[len("*Next:* `") : -1], details_text(inc).split("```")[1]]
+        for k, code in enumerate(codes):
+            pasted = html.unescape(code)  # what Slack displays, and a reader copies
+            work = tmp_path / f"s{n}-{k}"
+            work.mkdir()
+            env = {"PATH": str(bin_dir), "ARGV_LOG": str(work / "argv.log"), "HOME": str(work)}
+            assert BASH is not None
+            subprocess.run(
+                [BASH, "--norc", "-c", pasted], cwd=work, env=env, capture_output=True, timeout=10
+            )
+            made = sorted(p.name for p in work.iterdir() if p.name != "argv.log")
+            assert not made, f"{pasted!r} created {made}"

@@ -196,8 +196,11 @@ def silences(config_path: Path | None, db: Path | None, show_all: bool, as_json:
 def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: int) -> None:
     """Draw loss, grad norm and step time per rank around an incident, its origin marked.
 
-    Needs matplotlib (pip install 'nanwatch[plot]'). Non-finite values are red crosses at the
-    top of their panel; the origin's step is a dashed red line.
+    Needs matplotlib (pip install 'nanwatch[plot]'). The origin rank is in colour, the other
+    ranks thin and grey; non-finite values are red crosses at the top of their panel; the
+    origin's step is a dashed red line. A slowdown is drawn beside its baseline run, with both
+    medians as lines; an out-of-memory incident gets a memory panel on a time axis, validation
+    shaded. Slack threads get the same picture.
 
     \b
     Examples:
@@ -222,4 +225,5 @@ def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: i
         output.write_bytes(png)
     except OSError as e:
         raise NanwatchError(f"{output}: cannot write the picture ({e.strerror})") from None
-    click.echo(f"Wrote {output} ({len(png)} bytes, {len({r['rank'] for r in rows})} rank(s)).")
+    ranks = {r["rank"] for r in rows if r["series"] == "current"}
+    click.echo(f"Wrote {output} ({len(png)} bytes, {len(ranks)} rank(s)).")

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import RuleError
 from .commands import check_command, fill_command
-from .facts import HOW_TO_FIND, node_cann_version, satisfies
+from .facts import HOW_TO_FIND, LABELS, node_cann_version, satisfies
 from .samples import SAMPLE_REASONS
 
 if sys.version_info >= (3, 11):
@@ -103,6 +103,7 @@ class Situation:
     messages: tuple[str, ...] = ()
     versions: Mapping[str, str] = field(default_factory=dict)
     version_sources: Mapping[str, str] = field(default_factory=dict)
+    unknown: Mapping[str, str] = field(default_factory=dict)  # version -> why the run cannot tell
     data_issue: bool = False
     fields: Mapping[str, frozenset[Any]] = field(default_factory=dict)
     run: str | None = None
@@ -174,14 +175,21 @@ class Cause:
         for k in ("config", "incident", "annotations", "classes"):
             values[k] = s.extra.get(k)
         text = _fill(self.text, values)
+        commands = [fill_command(c, values) for c in self.commands]
         notes = []
         for name, constraint in (self.when.get("versions") or {}).items():
             v = s.versions.get(name)
             if v is None:
+                find = HOW_TO_FIND.get(name, (f"pip show {name}",))
+                why = s.unknown.get(name)
+                also = f" (or `{find[1]}`)" if len(find) > 1 else ""
                 notes.append(
-                    f"The {name} version is unknown here; this applies if it is {constraint}. "
-                    f"Find it with: {HOW_TO_FIND.get(name, name)}"
+                    f"{LABELS.get(name, name)} version unknown"
+                    + (f" ({why})" if why else "")
+                    + f": run `{find[0]}`{also}; this applies if it is {constraint}."
                 )
+                # the command that settles it comes first
+                commands = [find[0], *(c for c in commands if c != find[0])]
             else:
                 where = s.version_sources.get(name)
                 notes.append(
@@ -193,7 +201,7 @@ class Cause:
             "id": self.id,
             "title": _fill(self.title, values),
             "text": text,
-            "commands": [fill_command(c, values) for c in self.commands],
+            "commands": commands,
         }
 
 
@@ -392,6 +400,8 @@ class Knowledge:
             known.setdefault(name, pair)
         versions = {k: v for k, (v, _) in known.items()}
         sources = {k: where for k, (_, where) in known.items()}
+        told = (run.get("facts") or {}).get("unknown") or {}
+        unknown = {str(k): str(why) for k, why in told.items() if k not in versions and why}
         # samples with empty ground truth count when they came just before this incident (the
         # NaN story links them); other data issues (msprobe's empty tensors) anywhere in the run
         data_issue = bool(detail.get("related_data_issues")) or (
@@ -421,6 +431,7 @@ class Knowledge:
             messages=tuple(messages),
             versions=versions,
             version_sources=sources,
+            unknown=unknown,
             data_issue=data_issue,
             fields={k: frozenset(v) for k, v in fields.items()},
             run=run.get("name"),

@@ -1,8 +1,8 @@
 """Failure reports: a failure is usually reported over several lines (a traceback, an HCCL error
 block, a watchdog message and its follow-ups). Detections of one report become one event: the
-first line gives its position, the highest-priority line its kind and message, every line its
-missing attributes and fields. Open reports are kept per rank in the stream state, so a report
-split over two chunks is still one event."""
+first line gives its position, the strongest line (the one whose rule is tried first) its kind
+and message, every line its missing attributes and fields. Open reports are kept per rank in
+the stream state, so a report split over two chunks is still one event."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ class Feed:
     events: list[Event] = field(default_factory=list)
     metrics: list[Metric] = field(default_factory=list)
     opened: dict[str, int] = field(default_factory=dict)  # report key -> index in events
-    prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
+    prios: dict[int, int] = field(default_factory=dict)  # event index -> its rule's strength
     skip_to: int = -1  # lines consumed by a multi-line match end here
     first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
+    trace: set[str] | None = None  # ids of the rules that matched, when someone asks
+    weak_stage: set[int] = field(default_factory=set)  # events staged by the entry script only
 
 
 def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> None:

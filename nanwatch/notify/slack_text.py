@@ -208,8 +208,8 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     lines.append("*Root cause:* " + clip(escape(_root_cause(inc)), 260))
     budget = 720 - visible_chars(blocks) - sum(len(x) for x in lines)
     for cmd in _next_commands(inc):
-        # backticks in a command would end the code span
-        body = escape(cmd).replace("`", "'")
+        # a backtick would end the code span; a quote would change what the pasted command does
+        body = escape(cmd).replace("`", "\u02cb")
         room = min(200, budget - 12)
         if room < 40:
             break
