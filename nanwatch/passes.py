@@ -193,6 +193,8 @@ class Passes:
         # called on the writer thread after every commit: a long catch-up still shows progress
         self.on_progress: Callable[[], None] | None = None
         self._reconfigured = False
+        # when events count as read (their ingested_at); a replay passes its simulated clock
+        self.now_utc: Callable[[], str] = now_utc
         self._correlated = float("-inf")  # when the correlator last ran (monotonic)
         # a batch read and detected whose commit the database refused (disk full): the next
         # pass writes it before reading anything, so a retry costs a commit, not a re-read
@@ -535,7 +537,7 @@ class Passes:
             raise
 
     def _write(self, batch: list[_Pending]) -> None:
-        ingested = now_utc()
+        ingested = self.now_utc()
         counted: Counter[str] = Counter()
         metrics = 0
         with self.store.transaction():
@@ -571,6 +573,11 @@ class Passes:
                 metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
                     counted.update(e.kind for e in p.events)
+                if rec.run_id is not None:
+                    # a run's start and end as its logs tell them (`runs`, datasette)
+                    self.store.widen_run_span(
+                        rec.run_id, [e.time for e in events] + [m[6] for m in p.metrics]
+                    )
         # counted once committed: a refused batch is written again later
         self.stats.events.update(counted)
         self.stats.metrics += metrics

@@ -13,6 +13,7 @@ from ._common import (
     config_option,
     db_option,
     emit_json,
+    find_db,
     handle_errors,
     json_option,
     open_reader,
@@ -110,7 +111,9 @@ def silence(
         raise click.UsageError(str(e)) from None
     if seconds <= 0:
         raise click.UsageError("--for: must be longer than zero")
-    _, db_path = resolve(config_path, db)
+    _, db_path, origin = find_db(config_path, db)
+    if origin is not None and not as_json:
+        click.echo(f"nanwatch: database {db_path} ({origin})", err=True)
     store = Store.open(db_path, exclusive=False)  # works while `watch` runs
     try:
         if run is not None and store.run_by_name(run) is None:
@@ -147,7 +150,7 @@ def silences(config_path: Path | None, db: Path | None, show_all: bool, as_json:
     from ..notify.silences import list_silences
     from ..render import table
 
-    store = open_reader(config_path, db)
+    store = open_reader(config_path, db, quiet=as_json)
     try:
         rows = list_silences(store.conn, include_expired=show_all)
     finally:

@@ -103,6 +103,7 @@ class Correlator:
         self.knowledge = knowledge
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
+        self._relaunch_upto: Any = None  # (metrics, incidents) ids relaunches were looked at
 
     def process(
         self, *, live: bool = False, now: float | None = None, slowdowns: bool = True
@@ -126,6 +127,7 @@ class Correlator:
                 self.store.meta_set(self.META_KEY, str(last))
         with self.store.transaction():
             changes.extend(self._recoveries())
+            changes.extend(self._relaunched())
             if live and self.resolve_after:
                 changes.extend(self._resolve_quiet(time.time() if now is None else now))
         return changes
@@ -518,6 +520,50 @@ class Correlator:
                     f"the loss was finite for {n} logged iterations after step {last_step}"
                 )
                 out.append(self._resolve(iid, version, detail))
+        return out
+
+    def _relaunched(self) -> list[Change]:
+        """Open incidents that a later run of the same experiment trained past: its training
+        reached a step beyond the incident's origin step (or an epoch beyond its epoch)."""
+        out: list[Change] = []
+        # only new step counts (or new incidents) can change the answer: look again then
+        newest = self.store.conn.execute(
+            "SELECT (SELECT max(id) FROM metrics), (SELECT max(id) FROM incidents)"
+        ).fetchone()
+        if newest == self._relaunch_upto:
+            return out
+        self._relaunch_upto = newest
+        rows = self.store.conn.execute(
+            "SELECT i.id, i.version, i.detail, i.origin, r.id, r.experiment FROM incidents i "
+            "JOIN runs r ON r.id = i.run_id WHERE i.status = 'open' AND r.experiment IS NOT NULL"
+        ).fetchall()
+        for iid, version, detail_json, origin_json, run_id, experiment in rows:
+            origin = json.loads(origin_json or "{}")
+            step, epoch = origin.get("step"), origin.get("epoch")
+            if step is None and epoch is None:
+                continue
+            later = self.store.conn.execute(
+                "SELECT r.name, max(m.step), max(m.epoch) FROM runs r "
+                # a step counts when it trained: its loss is finite (SQLite stores NaN as NULL)
+                "JOIN metrics m ON m.run_id = r.id AND m.stage = 'train' "
+                "AND m.loss IS NOT NULL AND abs(m.loss) < 1e300 "
+                "WHERE r.experiment = ? AND r.id > ? GROUP BY r.id ORDER BY r.id",
+                (experiment, run_id),
+            ).fetchall()
+            for name, max_step, max_epoch in later:
+                if step is not None and max_step is not None and max_step > step:
+                    past = f"step {max_step}, past the incident's step {step}"
+                elif step is None and max_epoch is not None and max_epoch > epoch:
+                    past = f"epoch {max_epoch}, past the incident's epoch {epoch}"
+                else:
+                    continue
+                detail = json.loads(detail_json or "{}")
+                detail["resolution"] = (
+                    f"{name}, a relaunch of the same experiment, trained to {past}"
+                )
+                detail["resolved_by_run"] = name
+                out.append(self._resolve(iid, version, detail))
+                break
         return out
 
     def _resolve_quiet(self, now: float) -> list[Change]:

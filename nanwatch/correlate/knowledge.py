@@ -108,6 +108,8 @@ class Situation:
     fields: Mapping[str, frozenset[Any]] = field(default_factory=dict)
     run: str | None = None
     work_dir: str | None = None
+    # more values hints may name: {incident}, {config}, {annotations}, {classes}
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,9 @@ class Cause:
         values.update({k: s.origin.get(k) for k in ("rank", "stage", "step", "tensor", "module")})
         values["run"] = s.run
         values["work_dir"] = s.work_dir
+        # the config file the run's work_dir holds (mmengine dumps it there), the incident...
+        for k in ("config", "incident", "annotations", "classes"):
+            values[k] = s.extra.get(k)
         text = _fill(self.text, values)
         commands = [fill_command(c, values) for c in self.commands]
         notes = []
@@ -198,6 +203,19 @@ class Cause:
             "text": text,
             "commands": commands,
         }
+
+
+def _run_values(incident_id: int, run: Mapping[str, Any]) -> dict[str, Any]:
+    from .runconfig import config_file, config_values
+
+    out: dict[str, Any] = {"incident": incident_id}
+    name = str(run.get("name") or "")
+    launch = name.rsplit("/", 1)[-1] if "/" in name else None
+    path = config_file(run.get("root"), run.get("experiment"), launch)
+    if path is not None:
+        out["config"] = str(path)
+        out.update(config_values(path))
+    return out
 
 
 def _fill(template: str, values: Mapping[str, Any]) -> str:
@@ -418,6 +436,7 @@ class Knowledge:
             fields={k: frozenset(v) for k, v in fields.items()},
             run=run.get("name"),
             work_dir=run.get("root"),
+            extra=_run_values(incident_id, run),
         )
 
     def match(self, s: Situation) -> list[dict[str, Any]]:

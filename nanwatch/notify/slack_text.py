@@ -162,6 +162,15 @@ def _show_command(inc: Mapping[str, Any]) -> str:
     return cmd
 
 
+def _people(inc: Mapping[str, Any]) -> str:
+    """Who acknowledged or resolved it, and when (`nanwatch ack` / `nanwatch resolve`)."""
+    if inc.get("resolved_by"):
+        return f"resolved by {inc['resolved_by']} at {inc.get('resolved_at') or '-'}"
+    if inc.get("acked_by"):
+        return f"acknowledged by {inc['acked_by']} at {inc.get('acked_at') or '-'}"
+    return ""
+
+
 def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> list[dict[str, Any]]:
     """The incident's parent message: what, where, root cause and the next command.
 
@@ -192,8 +201,9 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     what = f"{icon} *{escape(inc.get('kind', ''))}*"
     if severity:
         what += f" · {escape(severity)}"
-    if inc.get("_ack"):
-        what += " · " + clip(escape(inc["_ack"]), 60)
+    ack = inc.get("_ack") or _people(inc)
+    if ack:
+        what += " · " + clip(escape(ack), 90)
     lines = [what + " · " + " · ".join(where)]
     lines.append("*Root cause:* " + clip(escape(_root_cause(inc)), 260))
     budget = 720 - visible_chars(blocks) - sum(len(x) for x in lines)

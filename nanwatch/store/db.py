@@ -432,6 +432,20 @@ class Store:
         merged = _deep_merge(current, facts)
         self.execute("UPDATE runs SET facts=? WHERE id=?", (json.dumps(merged), run_id))
 
+    def widen_run_span(self, run_id: int, times: Iterable[str | None]) -> None:
+        """Stretch a run's first_time/last_time (what its logs span) over ``times`` (RFC 3339
+        UTC strings, which compare as text); in the caller's transaction."""
+        known = [t for t in times if t]
+        if not known:
+            return
+        lo, hi = min(known), max(known)
+        self.execute(
+            "UPDATE runs SET first_time = CASE WHEN first_time IS NULL OR first_time > ? "
+            "THEN ? ELSE first_time END, last_time = CASE WHEN last_time IS NULL OR "
+            "last_time < ? THEN ? ELSE last_time END WHERE id = ?",
+            (lo, lo, hi, hi, run_id),
+        )
+
     # -- sources ---------------------------------------------------------------------------------
 
     def load_sources(self) -> list[dict[str, Any]]:
