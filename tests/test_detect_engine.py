@@ -389,3 +389,23 @@ def test_healthy_iteration_lines_never_reach_the_line_rules(tmp_path: Path) -> N
     events, metrics = DETECTOR.feed(data, 0, StreamState(), "rank0.log")
     assert events == []
     assert len(metrics) == 120
+
+
+def test_a_line_that_prints_a_learning_rate_is_a_training_step() -> None:
+    """The event's own line names the stage when nothing else in the stream does."""
+
+    def stage_of(line: str) -> str | None:
+        events, _ = DETECTOR.feed((line + "\n").encode(), 0, StreamState(), None)
+        assert events, line
+        return events[0].stage
+
+    assert (
+        stage_of("2026-03-02 11:20:45,118-INFO: step: 40, lr: 0.000085, 'loss': 'nan'") == "train"
+    )
+    assert stage_of(
+        "[2026-03-02 11:20:45] Train epoch: 2, batch: 90/1200, loss: nan, lr: 1e-4"
+    ) == ("train")
+    # no learning rate on the line: the stage stays unknown, never a silent train
+    assert stage_of("2026-03-02 11:20:45 | INFO | epoch 3 | acc: nan | f1: 0.412") is None
+    # an evaluation's own line says so, and no learning rate makes it a training step
+    assert stage_of("{'eval_loss': nan, 'eval_accuracy': 0.41, 'epoch': 2.0}") == "val"

@@ -41,6 +41,14 @@ RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) s
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
+# A line that prints both a loss and the optimizer's learning rate is a training step's, whatever
+# the framework: validation, evaluation and inference print no learning rate (mmengine's
+# Epoch(val), HF's eval_* dicts, Lightning's validation bars). Read only on lines that gave an
+# event whose stream names no stage; nothing else makes a stage "train".
+_TRAIN_LINE = re.compile(
+    r"(?i)^(?=[^\n]{0,2000}?\bloss\b['\"]?[ \t]{0,3}[:=])[^\n]{0,2000}?(?<![\w.])"
+    r"(?:lr|learning[ _]rate)['\"]?[ \t]{0,3}[:=][ \t]{0,3}['\"]?[-+]?\.?\d"
+)
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
 
@@ -736,6 +744,8 @@ class Detector:
             state.hint_stage = None
         if stage is None:
             stage = state.stage
+        if stage is None and _TRAIN_LINE.search(text):
+            stage = "train"  # the event's own line is a training step's (it prints a learning rate)
         rank = prefix_attrs.get("rank", attrs.get("rank"))
         near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
         own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
