@@ -49,7 +49,10 @@ def test_shipped_config_groups_by_job_and_inhibits_symptoms() -> None:
     assert rule["equal"] == ["job", "run"]
     assert rule["source_matchers"] == ['kind=~"oom|process_failure"']
     assert rule["target_matchers"] == ['kind=~"comm_timeout|comm_error"']
-    assert all(r.get("slack_configs") for r in conf["receivers"])
+    assert all(r.get("slack_configs") or r.get("wechat_configs") for r in conf["receivers"])
+    # a Slack app's webhook reaches one channel: every Slack receiver has a webhook of its own
+    hooks = [c["api_url_file"] for r in conf["receivers"] for c in r.get("slack_configs", [])]
+    assert len(hooks) == len(set(hooks)) >= 2
     if AMTOOL is None:
         pytest.skip("amtool is not installed: the structure was checked, not the syntax")
     out = subprocess.run(
@@ -89,10 +92,13 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     slack = Catcher().start()
     hook = tmp_path / "slack-webhook"
     hook.write_text(f"{slack.url}/slack\n")
+    llm_hook = tmp_path / "slack-webhook-llm-oncall"
+    llm_hook.write_text(f"{slack.url}/slack-llm\n")
     text = EXAMPLE.read_text()
     # the same routes, inhibition and receivers; Slack on loopback, seconds instead of minutes
     for old, new in (
-        ("/etc/alertmanager/slack-webhook", str(hook)),
+        ("/etc/alertmanager/slack-webhook-llm-oncall", str(llm_hook)),
+        ("/etc/alertmanager/slack-webhook\n", f"{hook}\n"),
         ("group_wait: 30s", "group_wait: 1s"),
         ("group_interval: 5m", "group_interval: 1s"),
     ):
@@ -265,3 +271,33 @@ def _strings(value: Any) -> list[str]:
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []
+
+
+def test_each_route_reaches_its_own_webhook_with_its_lines_kept(
+    alertmanager: Alertmanager, tmp_path: Path
+) -> None:
+    """An llm-* job reaches the llm-oncall webhook (a Slack app webhook ignores `channel:`);
+    the default receiver's message keeps one line per line."""
+    for job in ("llm-pretrain", "detector"):
+        logs = tmp_path / job
+        logs.mkdir()
+        (logs / "rank0.log").write_text(nan_line(1) + nan_line(2))
+        cfg = tmp_path / f"{job}.toml"
+        cfg.write_text(f'[alertmanager]\nurl = "{alertmanager.url}"\n[cluster]\njob = "{job}"\n')
+        db = tmp_path / f"{job}.db"
+        nanwatch("scan", "--notify", "--config", str(cfg), "--db", str(db), str(logs))
+
+    def posts() -> dict[str, list[Any]]:
+        with alertmanager.slack.lock:
+            got: dict[str, list[Any]] = {}
+            for path, body in alertmanager.slack.posts:
+                got.setdefault(path, []).append(body)
+            return got
+
+    wait_for(lambda: {"/slack", "/slack-llm"} <= set(posts()), timeout=30, what="both webhooks")
+    (llm,) = posts()["/slack-llm"]
+    assert "llm-pretrain" in json.dumps(llm) and "detector" not in json.dumps(llm)
+    (default,) = posts()["/slack"]
+    text = default["attachments"][0]["text"]
+    assert "detector" in json.dumps(default) and "llm-pretrain" not in json.dumps(default)
+    assert len(text.strip().splitlines()) >= 3, text  # summary, where, root cause, command
