@@ -7,6 +7,7 @@ import logging
 import socket
 import sqlite3
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,22 @@ def test_secrets_never_reach_the_log(capsys: pytest.CaptureFixture[str]) -> None
     err = capsys.readouterr().err
     assert "WARNING nanwatch.test: posting with <redacted> to https://<redacted>" in err
     assert "xoxb" not in err and "hooks.slack.com" not in err
+
+
+def test_an_idle_connection_never_holds_back_a_scrape(db: Path) -> None:
+    from nanwatch.metrics import NanwatchCollector, serve
+
+    Store.open(db).close()
+    collector = NanwatchCollector(db)
+    server = serve("127.0.0.1:0", collector, where="[metrics] listen")
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        # a scraper (or a port scanner) that connected and said nothing: the next scrape
+        # is answered anyway, well within Prometheus' scrape timeout
+        idle.sendall(b"GET /metrics HTTP/1.1\r\n")
+        with urllib.request.urlopen(server.url, timeout=3) as resp:
+            assert b"nanwatch_info" in resp.read()
+    finally:
+        idle.close()
+        server.stop()
+        collector.close()
