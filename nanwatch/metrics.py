@@ -67,6 +67,14 @@ _TRACKER = {
     "rotations": ("nanwatch_rotations", "Rotated or renamed files followed."),
     "truncations": ("nanwatch_truncations", "Files found truncated or rewritten."),
     "unreadable": ("nanwatch_files_unreadable", "Files that could not be opened (permissions)."),
+    "lines_capped": (
+        "nanwatch_lines_capped",
+        "Lines longer than what a rule examines (64 KiB by default); the rest was skipped.",
+    ),
+    "rule_timeouts": (
+        "nanwatch_rule_timeouts",
+        "Matches of a rule on a long line that ran out of their time budget (no detection).",
+    ),
 }
 
 
