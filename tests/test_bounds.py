@@ -157,3 +157,17 @@ def test_many_values_on_one_line_cost_one_pass() -> None:
     assert len(events) == 1 and events[0].fields["tensor"] == "loss_0"
     assert len(events[0].fields["tensors"]) == 3000
     assert det.counters["rule_timeouts"] == 0
+
+
+def test_scan_reports_capped_lines(tmp_path: Path) -> None:
+    import json
+
+    from .conftest import nanwatch
+
+    log = tmp_path / "rank0.log"
+    log.write_text(EPOCH + "loss: nan  " + "memory: 21034  " * 10_000 + "\n")
+    out = nanwatch("scan", "--json", "--db", str(tmp_path / "nw.db"), str(log)).stdout
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["events"] == {"nan": 1}
+    assert summary["counters"]["lines_capped"] == 1
+    assert summary["counters"].get("rule_timeouts", 0) == 0

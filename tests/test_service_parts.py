@@ -293,3 +293,32 @@ def test_an_idle_connection_never_holds_back_a_scrape(db: Path) -> None:
         idle.close()
         server.stop()
         collector.close()
+
+
+def test_the_watchdog_pings_while_the_loop_lives_and_stops_when_it_is_wedged(
+    tmp_path: Path,
+) -> None:
+    from nanwatch.daemon import Watchdog
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(5)
+    notifier = Notifier(str(tmp_path / "notify.sock"))
+    now = [1000.0]
+    dog = Watchdog(notifier, every=0.01, liveness=300.0, clock=lambda: now[0])
+    try:
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        now[0] += 299.0  # a long pass, no commit yet: still alive
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        now[0] += 2.0  # nothing for longer than the bound: wedged, systemd may restart it
+        assert not dog.tick()
+        dog.beat()  # the loop moved again
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        # the thread pings by itself, whatever the caller's thread is doing
+        dog.start()
+        assert listener.recv(100) == b"WATCHDOG=1"
+        dog.stop()
+    finally:
+        dog.stop()
+        notifier.close()
+        listener.close()
