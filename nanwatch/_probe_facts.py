@@ -81,6 +81,9 @@ def collect_facts(
     if job:
         facts["job"] = job
     facts["versions"] = _versions()
+    if "cann" not in facts["versions"]:
+        # say what is not known and why, so hints can ask for it instead of guessing
+        facts["unknown"] = {"cann": _cann_unknown_why()}
     facts["device"] = _device()
     if work_dir:
         facts["work_dir"] = os.path.abspath(work_dir)
@@ -132,9 +135,17 @@ def _versions() -> dict[str, Any]:
             v = _installed(dist)
         if v is not None:
             out[mod] = str(v)
-    # CANN only through torch_npu, and only when the job loaded it: None says "unknown"
-    out["cann"] = _cann() if "torch_npu" in sys.modules else None
+    # CANN only through torch_npu, and only when the job loaded it (else ``unknown.cann``)
+    cann = _cann() if "torch_npu" in sys.modules else None
+    if cann:
+        out["cann"] = cann
     return out
+
+
+def _cann_unknown_why() -> str:
+    if "torch_npu" not in sys.modules:
+        return "torch_npu is not imported by the job"
+    return "torch_npu does not report it (torch.version.cann is empty)"
 
 
 def _installed(dist: str) -> str | None:

@@ -329,6 +329,18 @@ def state_dict_of(obj: Any) -> dict[str, TensorMeta]:
 
 def read_with_torch(path: str) -> Any:
     """Last resort for the CLI: torch itself, safely (weights only, memory-mapped)."""
+    not_one = (
+        f"{path}: not a checkpoint: neither a torch zip or pickle file nor safetensors "
+        "(a partial download, or another kind of file?)"
+    )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read the checkpoint ({e.strerror})") from None
+    # torch.save writes a zip (PK) or, in the legacy format, pickles (protocol 2+: 0x80)
+    if head[:1] != b"\x80" and head != b"PK":
+        raise SourceError(not_one)
     try:
         import torch
     except ImportError:
@@ -341,7 +353,8 @@ def read_with_torch(path: str) -> Any:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise SourceError(f"{path}: torch cannot read it safely either ({e})") from None
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise SourceError(f"{not_one}; torch says: {first}") from None
 
     def convert(o: Any) -> Any:
         if isinstance(o, torch.Tensor):

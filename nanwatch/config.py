@@ -7,8 +7,10 @@ the key and the fix (for a misspelt key: the nearest valid one).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,27 +25,63 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 images
     import tomli as tomllib
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
+_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w|y))+$")
+_UNIT = {
+    "ms": 0.001,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+    "w": 604800.0,
+    "y": 365 * 86400.0,
+}
+_DURATION_EXAMPLES = "30s, 5m, 1m30s, 4h or 90d"
 
 
 def parse_duration(value: object, *, where: str = "duration") -> float:
-    """Seconds from ``30``, ``30s``, ``5m``, ``4h``, ``90d``."""
+    """Seconds from ``30``, ``30s``, ``5m``, ``4h``, ``90d`` or a compound such as ``1m30s``
+    or ``1h30m`` (Alertmanager's spelling). NaN, infinity and negative values are refused."""
     if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a duration such as 30s, 5m or 4h, got {value!r}")
+        raise ConfigError(
+            f"{where}: expected a duration such as {_DURATION_EXAMPLES}, got {value!r}"
+        )
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ConfigError(
+                f"{where} = {value!r}: not a duration; write a finite one such as "
+                f"{_DURATION_EXAMPLES}"
+            )
         if value < 0:
             raise ConfigError(f"{where}: a duration cannot be negative ({value})")
         return float(value)
     if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _UNIT[m.group(2)]
-    raise ConfigError(f"{where}: expected a duration such as 30s, 5m, 4h or 90d, got {value!r}")
+        text = value.strip().replace(" ", "")
+        if re.fullmatch(r"\d+(?:\.\d+)?", text):
+            return float(text)
+        if _DURATION.match(text):
+            return sum(float(n) * _UNIT[u] for n, u in _DURATION_PART.findall(text))
+    raise ConfigError(f"{where}: expected a duration such as {_DURATION_EXAMPLES}, got {value!r}")
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
-_SIZE_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+def format_duration(seconds: float) -> str:
+    """``90`` -> ``1m30s``; the inverse of :func:`parse_duration`, for messages."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms" if seconds else "0s"
+    out = []
+    rest = seconds
+    for unit in ("d", "h", "m"):
+        n = int(rest // _UNIT[unit])
+        if n:
+            out.append(f"{n}{unit}")
+            rest -= n * _UNIT[unit]
+    if rest or not out:
+        out.append(f"{rest:g}s")
+    return "".join(out)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b?|b)?\s*$", re.I)
+_SIZE_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 
 
 def parse_size(value: object, *, where: str = "size") -> int:
@@ -56,11 +94,18 @@ def parse_size(value: object, *, where: str = "size") -> int:
             unit = (m.group(2) or "").lower()
             factor = _SIZE_UNIT[unit[:1]]
             if "i" in unit:
-                factor = 1 << {"k": 10, "m": 20, "g": 30, "t": 40}[unit[0]]
+                factor = 1 << {"k": 10, "m": 20, "g": 30, "t": 40, "p": 50}[unit[0]]
             size = int(float(m.group(1)) * factor)
             if size > 0:
                 return size
     raise ConfigError(f"{where}: expected a size such as 500MB or 4GB, got {value!r}")
+
+
+def _format_size(n: int) -> str:
+    for unit, factor in (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if n >= factor:
+            return f"{n / factor:g}{unit}"
+    return f"{n}B"
 
 
 def parse_listen(value: str, *, where: str = "[metrics] listen") -> tuple[str, int]:
@@ -212,19 +257,61 @@ def _urls(v: object, where: str, base: Path | None) -> object:
     return tuple(v)
 
 
-def _duration(v: object, where: str, base: Path | None) -> object:
-    return parse_duration(v, where=where)
+def _duration_in(lo: float, hi: float, example: str) -> _Conv:
+    """A duration converter that refuses values outside [lo, hi] (NaN and infinity too): a
+    poll interval of 1e-9 s spins a core, one of 1e9 s never looks again."""
+
+    def conv(v: object, where: str, base: Path | None) -> object:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            d = float(v)  # NaN fails the comparison below: every bad number gets the range
+        else:
+            d = parse_duration(v, where=where)
+        if not lo <= d <= hi:
+            raise ConfigError(
+                f"{where} = {v!r}: out of range; expected a duration from {format_duration(lo)} "
+                f"to {format_duration(hi)}, such as {example}"
+            )
+        return d
+
+    return conv
 
 
-def _positive_duration(v: object, where: str, base: Path | None) -> object:
-    d = parse_duration(v, where=where)
-    if d <= 0:
-        raise ConfigError(f"{where}: must be greater than zero, got {v!r}")
-    return d
+def _size_in(lo: int, hi: int, example: str) -> _Conv:
+    def conv(v: object, where: str, base: Path | None) -> object:
+        n = parse_size(v, where=where)
+        if not lo <= n <= hi:
+            raise ConfigError(
+                f"{where} = {v!r}: out of range; expected a size from {_format_size(lo)} "
+                f"to {_format_size(hi)}, such as {example}"
+            )
+        return n
+
+    return conv
 
 
-def _size(v: object, where: str, base: Path | None) -> object:
-    return parse_size(v, where=where)
+_DAY = 86400.0
+# Wide enough for tests and small sites, narrow enough that no value can spin, overflow or
+# never fire. One table, so the README and the messages agree.
+RANGES: dict[tuple[str, str], tuple[float, float, str]] = {
+    ("sources", "poll_interval"): (0.1, 3600.0, "2s"),
+    ("knowledge", "hccl_exec_timeout"): (1.0, 7 * _DAY, "30m"),
+    ("knowledge", "nccl_timeout"): (1.0, 7 * _DAY, "10m"),
+    ("store", "keep"): (3600.0, 3650 * _DAY, "90d"),
+    ("alerts", "group_wait"): (0.0, 3600.0, "30s"),
+    ("alerts", "group_interval"): (1.0, _DAY, "5m"),
+    ("alerts", "repeat_interval"): (60.0, 30 * _DAY, "4h"),
+    ("alerts", "resolve_after"): (1.0, 30 * _DAY, "1h"),
+}
+SIZE_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
+    ("store", "max_size"): (1 << 20, 10**15, "4GB"),
+}
+
+
+def _ranged(section: str, key: str) -> _Conv:
+    if (section, key) in SIZE_RANGES:
+        return _size_in(*SIZE_RANGES[section, key])
+    lo, hi, example = RANGES[section, key]
+    return _duration_in(lo, hi, example)
 
 
 def _listen(v: object, where: str, base: Path | None) -> object:
@@ -315,21 +402,25 @@ def _check_slack(slack: Mapping[str, object], where: str) -> None:
 
 _SCHEMA: dict[str, dict[str, _Conv]] = {
     "": {"db": _path},
-    "sources": {"paths": _paths, "mode": _mode, "poll_interval": _positive_duration},
+    "sources": {
+        "paths": _paths,
+        "mode": _mode,
+        "poll_interval": _ranged("sources", "poll_interval"),
+    },
     "detect": {"rule_dirs": _paths},
     "knowledge": {
         "dirs": _paths,
         "cann_version": _str,
-        "hccl_exec_timeout": _duration,
-        "nccl_timeout": _duration,
+        "hccl_exec_timeout": _ranged("knowledge", "hccl_exec_timeout"),
+        "nccl_timeout": _ranged("knowledge", "nccl_timeout"),
     },
     "shapes": {"checkpoint": _path},
-    "store": {"keep": _positive_duration, "max_size": _size},
+    "store": {"keep": _ranged("store", "keep"), "max_size": _ranged("store", "max_size")},
     "alerts": {
-        "group_wait": _duration,
-        "group_interval": _duration,
-        "repeat_interval": _duration,
-        "resolve_after": _positive_duration,
+        "group_wait": _ranged("alerts", "group_wait"),
+        "group_interval": _ranged("alerts", "group_interval"),
+        "repeat_interval": _ranged("alerts", "repeat_interval"),
+        "resolve_after": _ranged("alerts", "resolve_after"),
     },
     "slack": {
         "channel": _str,
@@ -433,10 +524,55 @@ SLACK_TOKEN_CREDENTIAL = "slack-token"
 SLACK_WEBHOOK_CREDENTIAL = "slack-webhook"
 
 
+def read_secret_file(path: str, *, key: str, what: str = "secret", where: str = "") -> str:
+    """A secret from a file that only its owner may read; ConfigError naming key and fix.
+
+    One rule everywhere (``watch``, ``doctor``, the docs): owner-only, mode 0600, owned by the
+    user nanwatch runs as. Not 0640 with group nanwatch: operators join that group to read the
+    database, and they need not be able to post as the bot.
+    """
+    at = f"{where} {key}".strip()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{at} = {path!r}: no such file; write the {what} there "
+            f"(one line, then chmod 600 {path}) or fix {key}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{at} = {path!r}: cannot stat it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{at} = {path!r}: not a regular file; point {key} at the file")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{at} = {path!r}: the {what} file is open to group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); it is a secret: chmod 600 {path} "
+            "(owned by the user nanwatch runs as), or pass it with LoadCredential="
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except PermissionError:
+        raise ConfigError(
+            f"{at} = {path!r}: this user (uid {os.getuid()}) cannot read the {what} "
+            f"file; chown it to the user nanwatch runs as (mode 600)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{at} = {path!r}: cannot read the {what} ({e})") from None
+    if not value:
+        raise ConfigError(f"{at} = {path!r}: the file is empty; write the {what} into it")
+    if any(c.isspace() for c in value):
+        raise ConfigError(
+            f"{at} = {path!r}: the file holds more than one word; it must hold only the {what}"
+        )
+    return value
+
+
 def read_secret(*, file: str | None, credential: str, env: str | None, key: str) -> str | None:
     """A secret (a token, a webhook URL) from the first place that has one, or None.
 
-    1. ``file`` (the config's ``*_file`` key, named ``key`` in errors);
+    1. ``file`` (the config's ``*_file`` key, named ``key`` in errors), read by
+       :func:`read_secret_file` (owner-only);
     2. ``$CREDENTIALS_DIRECTORY/<credential>``: what systemd's ``LoadCredential=`` passes to
        the service (the unit's empty ``SetCredential=`` default counts as absent);
     3. the environment variable ``env``.
@@ -444,22 +580,7 @@ def read_secret(*, file: str | None, credential: str, env: str | None, key: str)
     Surrounding whitespace is stripped. The value itself never appears in an error.
     """
     if file:
-        try:
-            value = Path(file).read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{key} = {file!r}: no such file; create it or fix the path"
-            ) from None
-        except PermissionError:
-            raise ConfigError(
-                f"{key} = {file!r}: permission denied; make it readable by the user nanwatch "
-                "runs as (chmod 0640, group nanwatch), or pass it with LoadCredential="
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{key} = {file!r}: cannot read it ({e})") from None
-        if not value:
-            raise ConfigError(f"{key} = {file!r}: the file is empty; put the secret in it")
-        return value
+        return read_secret_file(file, key=key)
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
     if creds:
         try:

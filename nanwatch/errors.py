@@ -32,7 +32,12 @@ class SourceError(NanwatchError):
 
 
 class StoreError(NanwatchError):
-    """The SQLite store cannot be opened, migrated or written."""
+    """The SQLite store cannot be opened, migrated or written. ``damaged``: its file is
+    corrupt, and no retry or restart can help (the message gives the recovery steps)."""
+
+    def __init__(self, message: str, *, damaged: bool = False):
+        super().__init__(message)
+        self.damaged = damaged
 
 
 class DeliveryError(NanwatchError):

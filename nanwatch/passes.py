@@ -6,6 +6,7 @@ change. The caller's thread owns the write connection.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -27,6 +28,7 @@ from .detect.companion import run_update
 from .detect.msprobe import MonitorReader
 from .detect.msprobe.reader import Rewritten
 from .detect.pool import DetectorPool, Done, usable_workers
+from .errors import StoreError
 from .events import Event, Metric, now_utc
 from .notify.outbox import Outbox, Sink
 from .shapes import ShapeResolver
@@ -93,6 +95,19 @@ class _Batch:
     def flush(self) -> None:
         items, self.items, self.size, self.events = self.items, [], 0, 0
         self.commit(items)
+
+
+@contextlib.contextmanager
+def _ids_undone(records: Iterable[SourceRecord]) -> Iterator[None]:
+    """Records given a row id by a transaction that rolled back lose it again: the row is
+    gone, and the id may be handed to another file by the next insert."""
+    fresh = [rec for rec in records if rec.id is None]
+    try:
+        yield
+    except BaseException:
+        for rec in fresh:
+            rec.id = None
+        raise
 
 
 def _size(path: str) -> int:
@@ -179,7 +194,12 @@ class Passes:
         # called on the writer thread after every commit: a long catch-up still shows progress
         self.on_progress: Callable[[], None] | None = None
         self._reconfigured = False
+        # when events count as read (their ingested_at); a replay passes its simulated clock
+        self.now_utc: Callable[[], str] = now_utc
         self._correlated = float("-inf")  # when the correlator last ran (monotonic)
+        # a batch read and detected whose commit the database refused (disk full): the next
+        # pass writes it before reading anything, so a retry costs a commit, not a re-read
+        self._unsaved: list[_Pending] = []
         self._next_slowdowns = 0.0
 
     # -- identity --------------------------------------------------------------------------------
@@ -244,8 +264,13 @@ class Passes:
         self, *, final: bool = False, discover: bool = True, only: Iterable[str] | None = None
     ) -> list[Change]:
         """Read what is new, commit it with its offsets, correlate; return incident changes."""
+        if self._unsaved:
+            unsaved, self._unsaved = self._unsaved, []
+            self._commit(unsaved)  # refused again: kept again, and nothing else is read
         if discover:
             self.tracker.discover()
+        if only is not None:
+            only = self.tracker.touched(only)
         settled = self.tracker.settle_pending()
         wanted = set(only) | {r.path for r in settled} if only is not None else None
         commits = self.stats.commits
@@ -489,7 +514,7 @@ class Passes:
         ]
         if not active and not retired:
             return  # nothing to write: no transaction either (the idle daemon's usual pass)
-        with self.store.transaction():
+        with _ids_undone(active), self.store.transaction():
             for rec in active:
                 if rec.id is not None and rec.renamed:
                     self.store.execute(
@@ -507,7 +532,17 @@ class Passes:
     def _commit(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        ingested = now_utc()
+        try:
+            with _ids_undone([p.chunk.record for p in batch]):
+                self._write(batch)
+        except StoreError:
+            self._unsaved = batch
+            raise
+
+    def _write(self, batch: list[_Pending]) -> None:
+        ingested = self.now_utc()
+        counted: Counter[str] = Counter()
+        metrics = 0
         with self.store.transaction():
             # what launchers printed first: a rank's events read in the same batch as the
             # launcher's log get their local ranks from it
@@ -538,13 +573,22 @@ class Passes:
                     self._record_facts(rec.run_id, p.facts)
                 events = self._identify(rec.run_id, p.events, p.state)
                 n = self.store.insert_events(rec.run_id, rec.id, events, ingested)
-                self.stats.metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
+                metrics += self.store.insert_metrics(rec.run_id, rec.id, p.metrics)
                 if n:
-                    self.stats.events.update(e.kind for e in p.events)
-                self.stats.bytes += p.size
-                self.stats.lines += p.lines
+                    counted.update(e.kind for e in p.events)
                 if rec.run_id is not None:
-                    self.stats.runs.add(rec.run_id)
+                    # a run's start and end as its logs tell them (`runs`, datasette)
+                    self.store.widen_run_span(
+                        rec.run_id, [e.time for e in events] + [m[6] for m in p.metrics]
+                    )
+        # counted once committed: a refused batch is written again later
+        self.stats.events.update(counted)
+        self.stats.metrics += metrics
+        for p in batch:
+            self.stats.bytes += p.size
+            self.stats.lines += p.lines
+            if p.chunk.record.run_id is not None:
+                self.stats.runs.add(p.chunk.record.run_id)
         for p in batch:
             if not p.chunk.final:
                 self.tracker.committed(p.chunk)

@@ -7,6 +7,7 @@ sender thread only reads and reports back.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,16 +22,51 @@ from .passes import Passes
 from .sources import Root, make_roots
 from .sources.watcher import Watcher, choose_mode
 from .store import Store
+from .store.db import damaged, is_damage
 
 log = logging.getLogger("nanwatch")
 
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
-PAUSE_RETRY = 5.0  # seconds between attempts while the database cannot be written
+RETRY_FIRST, RETRY_CAP = 1.0, 60.0  # seconds between attempts while the database refuses
 STOP_GRACE = 5.0  # seconds a pass may go on reading after a stop was asked for
+
+
+class Backoff:
+    """When to try again a database that refused a write: ``first`` seconds, doubling up to
+    ``cap``. A disk stays full for minutes; trying every few seconds only burns a core."""
+
+    def __init__(
+        self,
+        first: float = RETRY_FIRST,
+        cap: float = RETRY_CAP,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.first, self.cap, self.clock = first, cap, clock
+        self.delay = 0.0
+        self._at: float | None = None
+
+    def failed(self) -> float:
+        """One more refusal: the delay until the next attempt."""
+        self.delay = min(self.cap, self.delay * 2) if self.delay else self.first
+        self._at = self.clock() + self.delay
+        return self.delay
+
+    def left(self) -> float:
+        return 0.0 if self._at is None else max(0.0, self._at - self.clock())
+
+    def due(self) -> bool:
+        return self.left() <= 0.0
+
+    def reset(self) -> None:
+        self.delay, self._at = 0.0, None
 
 
 class Pipeline(Passes):
     """Follows the given paths into the store. ``live`` means `watch` (files keep growing)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.retry = Backoff()  # tests give it a clock of their own
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe).
@@ -99,6 +135,8 @@ class Pipeline(Passes):
             sender.start()
         try:
             self._safe_step(stop)
+            if mode == "inotify":
+                watcher.follow(self.tracker.link_dirs())
             if on_ready is not None:
                 on_ready()
             last_full = time.monotonic()
@@ -110,7 +148,7 @@ class Pipeline(Passes):
                 if any(r.status == "pending" for r in self.tracker.records.values()):
                     timeout = min(timeout, 1.0)
                 if self.paused is not None:
-                    timeout = min(timeout, PAUSE_RETRY)
+                    timeout = min(timeout, max(self.retry.left(), 0.05))
                 deadline = time.monotonic() + timeout
                 while not stop.is_set() and not wake.is_set():
                     # short slices so an external `stop` is seen promptly; no work is done here
@@ -131,7 +169,12 @@ class Pipeline(Passes):
                 )
                 if structural:
                     watcher.rescan_roots()
-                changes = self._safe_step(stop, discover=full, only=None if full else dirty)
+                if self.paused is not None and not self.retry.due():
+                    changes = None  # woken while the database refuses: wait for the turn
+                else:
+                    changes = self._safe_step(stop, discover=full, only=None if full else dirty)
+                if mode == "inotify":
+                    watcher.follow(self.tracker.link_dirs())
                 if changes is not None:
                     if full:
                         last_full = now
@@ -265,11 +308,25 @@ class Pipeline(Passes):
         committed, so nothing is lost; the daemon says so once, waits and tries again."""
         try:
             changes = self.step(**kw)
+        except sqlite3.DatabaseError as e:
+            if is_damage(e):
+                raise damaged(self.store.path, str(e)) from None
+            raise
         except StoreError as e:
+            if e.damaged:
+                raise  # a corrupt file does not heal: stop, and let the message say how to recover
+            delay = self.retry.failed()
             if self.paused != str(e):
-                log.error("%s; paused: nothing read is lost, retrying every %.0f s", e, PAUSE_RETRY)
+                log.error(
+                    "%s; paused: nothing read is lost, trying again in %.0f s (then at most "
+                    "every %.0f s)",
+                    e,
+                    delay,
+                    self.retry.cap,
+                )
             self.paused = str(e)
             return None
+        self.retry.reset()
         if self.paused is not None:
             log.warning("the database is writable again; resumed")
             self.paused = None

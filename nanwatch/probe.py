@@ -109,7 +109,7 @@ class Probe:
         self.logger = logger
         self.stream = stream
         self.rank = rank
-        self.stage_now = "train"
+        self.stage_now: str | None = None  # what the loop marked; none before it says
         self.empty_samples = 0
         self.suppressed = 0
         self.lines = 0  # records printed
@@ -173,7 +173,8 @@ class Probe:
         self, stage: str, event: str, *, epoch: int | None = None, iter: int | None = None
     ) -> None:
         """Mark the start or end of validation/testing: a later failure names its stage."""
-        self.stage_now = stage if event == "start" else "train"
+        # the end of validation inside training: training resumes; the end of a test: unknown
+        self.stage_now = stage if event == "start" else ("train" if stage == "val" else None)
         self.emit(
             "STAGE",
             _compact(

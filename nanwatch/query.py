@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 _EVENT_SELECT = (
@@ -44,24 +44,45 @@ def _event(row: tuple[Any, ...]) -> dict[str, Any]:
     return d
 
 
+def run_names(conn: sqlite3.Connection) -> list[str]:
+    return [n for (n,) in conn.execute("SELECT name FROM runs ORDER BY id")]
+
+
+def _in(column: str, values: Sequence[Any]) -> str:
+    return f"{column} IN ({','.join('?' * len(values))})"
+
+
 def iter_events(
     conn: sqlite3.Connection,
     *,
     kind: str | None = None,
     run: str | None = None,
+    runs: Sequence[str] | None = None,
     incident: int | None = None,
+    since: str | None = None,
+    until: str | None = None,
     limit: int | None = None,
     newest: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Events oldest first (``newest``: the last ``limit`` ones, still printed oldest first)."""
+    """Events oldest first (``newest``: the last ``limit`` ones, still printed oldest first).
+    ``since``/``until`` are RFC 3339 UTC strings compared with the event's time (else the time
+    it was read)."""
     where: list[str] = []
     params: list[Any] = []
     if kind:
         where.append("e.kind = ?")
         params.append(kind)
     if run:
-        where.append("e.run_id = (SELECT id FROM runs WHERE name = ?)")
-        params.append(run)
+        runs = [run, *(runs or [])]
+    if runs is not None:
+        where.append("e.run_id IN (SELECT id FROM runs WHERE " + _in("name", runs) + ")")
+        params.extend(runs)
+    if since:
+        where.append("coalesce(e.time, e.ingested_at) >= ?")
+        params.append(since)
+    if until:
+        where.append("coalesce(e.time, e.ingested_at) <= ?")
+        params.append(until)
     if incident is not None:
         where.append("e.incident_id = ?")
         params.append(incident)
@@ -79,7 +100,8 @@ def iter_events(
 _INCIDENT_SELECT = (
     "SELECT i.id, i.kind, i.title, i.status, r.name, r.experiment, i.ranks, i.first_time, "
     "i.last_time, i.event_count, i.origin, i.hints, i.severity, i.detail, i.created_at, "
-    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run "
+    "i.updated_at, i.resolved_at, i.version, r.node, r.job, r.cluster_run, "
+    "i.acked_by, i.acked_at, i.ack_note, i.resolved_by, i.resolve_note "
     "FROM incidents i LEFT JOIN runs r ON r.id = i.run_id"
 )
 
@@ -107,6 +129,11 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         node,
         job,
         cluster_run,
+        acked_by,
+        acked_at,
+        ack_note,
+        resolved_by,
+        resolve_note,
     ) = row
     info = json.loads(detail or "{}")
     # where its events were read: one node, or several in a merged database
@@ -134,6 +161,14 @@ def _incident(row: tuple[Any, ...]) -> dict[str, Any]:
         "job": job,
         "cluster_run": cluster_run,
         "nodes": sorted(str(n) for n in nodes),
+        # people's part: `nanwatch ack` / `nanwatch resolve` (None until someone does)
+        "acked_by": acked_by,
+        "acked_at": acked_at,
+        "ack_note": ack_note,
+        "resolved_by": resolved_by,
+        "resolve_note": resolve_note,
+        # why it was resolved: the person's note, or what nanwatch saw
+        "resolution": resolve_note if resolved_by else info.get("resolution"),
     }
 
 
@@ -142,10 +177,16 @@ def list_incidents(
     *,
     open_only: bool = False,
     run: str | None = None,
+    runs: Sequence[str] | None = None,
     kind: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    limit: int | None = None,
     include_merged: bool = False,
 ) -> list[dict[str, Any]]:
-    """Incidents oldest first; those absorbed into another one (``merged``) only on request."""
+    """Incidents oldest first; those absorbed into another one (``merged``) only on request.
+    ``since``/``until`` keep incidents whose span (first to last event) overlaps them;
+    ``limit`` keeps the newest ones."""
     where: list[str] = []
     params: list[Any] = []
     if not include_merged:
@@ -153,13 +194,24 @@ def list_incidents(
     if open_only:
         where.append("i.status = 'open'")
     if run:
-        where.append("r.name = ?")
-        params.append(run)
+        runs = [run, *(runs or [])]
+    if runs is not None:
+        where.append(_in("r.name", runs))
+        params.extend(runs)
     if kind:
         where.append("i.kind = ?")
         params.append(kind)
-    sql = _INCIDENT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY i.id"
-    return [_incident(r) for r in conn.execute(sql, params)]
+    if since:
+        where.append("coalesce(i.last_time, i.first_time, i.created_at) >= ?")
+        params.append(since)
+    if until:
+        where.append("coalesce(i.first_time, i.created_at) <= ?")
+        params.append(until)
+    sql = _INCIDENT_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+    if limit is not None:
+        sql = f"{sql} ORDER BY i.id DESC LIMIT {int(limit)}"
+        return [_incident(r) for r in conn.execute(sql, params)][::-1]
+    return [_incident(r) for r in conn.execute(sql + " ORDER BY i.id", params)]
 
 
 def incident_dict(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
@@ -203,9 +255,13 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         "r.facts, (SELECT count(*) FROM sources s WHERE s.run_id = r.id), "
         "(SELECT count(*) FROM events e WHERE e.run_id = r.id), "
         "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id), "
-        "(SELECT min(time) FROM events e WHERE e.run_id = r.id), "
-        "(SELECT max(time) FROM metrics m WHERE m.run_id = r.id), "
-        "(SELECT group_concat(DISTINCT nullif(s.node, '')) FROM sources s WHERE s.run_id = r.id) "
+        "min((SELECT min(time) FROM events e WHERE e.run_id = r.id), "
+        "coalesce((SELECT min(time) FROM metrics m WHERE m.run_id = r.id), '9')), "
+        "max((SELECT max(time) FROM events e WHERE e.run_id = r.id), "
+        "coalesce((SELECT max(time) FROM metrics m WHERE m.run_id = r.id), '')), "
+        "(SELECT group_concat(DISTINCT nullif(s.node, '')) FROM sources s WHERE s.run_id = r.id), "
+        "r.first_time, r.last_time, "
+        "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id AND i.status = 'open') "
         "FROM runs r ORDER BY r.id"
     ).fetchall()
     out = []
@@ -223,9 +279,12 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         nsrc,
         nev,
         ninc,
-        _first_event,
-        _last_metric,
+        first_event,
+        last_metric,
         nodes,
+        first_time,
+        last_time,
+        open_incidents,
     ) in rows:
         out.append(
             {
@@ -244,6 +303,11 @@ def list_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
                 "events": nev,
                 "incidents": ninc,
                 "facts": json.loads(facts or "{}"),
+                # databases written before runs kept their span: what their rows say
+                "first_time": first_time or first_event,
+                "last_time": last_time or last_metric,
+                "open_incidents": open_incidents,
+                "status": "failing" if open_incidents else "resolved" if ninc else "ok",
             }
         )
     return out

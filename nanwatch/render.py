@@ -105,6 +105,19 @@ def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int
         lines.append(
             f"  job: {inc['job']}" + (f"   run: {run}" if run and run != inc["job"] else "")
         )
+    if inc.get("acked_by"):
+        lines.append(
+            f"  Acknowledged by {inc['acked_by']} at {inc.get('acked_at') or '-'}"
+            + (f": {inc['ack_note']}" if inc.get("ack_note") else "")
+        )
+    if inc.get("status") == "resolved":
+        by = f" by {inc['resolved_by']}" if inc.get("resolved_by") else ""
+        why = inc.get("resolve_note") if inc.get("resolved_by") else None
+        why = why or (inc.get("detail") or {}).get("resolution")
+        lines.append(
+            _c(f"  Resolved{by} at {inc.get('resolved_at') or '-'}", _BOLD, color)
+            + (f": {why}" if why else "")
+        )
     detail = inc.get("detail") or {}
     if detail.get("root_cause"):
         lines.append(_c("  Root cause: ", _BOLD, color) + str(detail["root_cause"]))

@@ -11,9 +11,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DINO_LOSSES = (
     ["loss_cls", "loss_bbox", "loss_iou"]
@@ -176,6 +177,12 @@ class TrainingRun:
     oom_rank: int | None = None  # this rank runs out of memory in validation ...
     oom_val_iter: int = 40  # ... at this validation iteration
     hccl_timeout: float = 1800.0  # the others' EI0002 arrives this long after the OOM
+    config: str | None = None  # the config dump mmengine writes into the work_dir
+
+    def _write_config(self) -> None:
+        if self.config is not None:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            (self.work_dir / f"{self.work_dir.name}.py").write_text(self.config)
 
     @property
     def launch_dir(self) -> Path:
@@ -314,6 +321,7 @@ class TrainingRun:
     def write(self) -> list[Path]:
         """Write the whole run at once (for scan tests); returns the rank files."""
         self.launch_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
         texts: dict[Path, list[str]] = {self.rank_path(r): [] for r in range(self.ranks)}
         for line in self.lines():
             texts.setdefault(self._path(line), []).append(line.text + "\n")
@@ -325,6 +333,49 @@ class TrainingRun:
     def _path(self, line: Line) -> Path:
         return self.launch_dir / line.file if line.file else self.rank_path(line.rank)
 
+    def feed(self, at_point: Callable[[float], None], *, every: int = 200) -> None:
+        """Append the lines in their fixed order, calling ``at_point(simulated seconds since the
+        start)`` with everything written so far flushed: after the last line, and at the
+        end of a simulated instant once ``every`` lines were written since the last point (or
+        before a quiet stretch). The same run always stops at the same points, so what a reader
+        makes of it at each point is the same every time (the demo's replay)."""
+        self.launch_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        handles: dict[Path, Any] = {}
+        written = 0
+        now: float | None = None
+
+        touched: set[Path] = set()
+
+        def point(t: float) -> None:
+            nonlocal written
+            # files look written at the simulated time (msprobe rows carry no time of their
+            # own: readers take the file's mtime)
+            when = (self.start + _dt.timedelta(seconds=t)).timestamp()
+            for path in touched:
+                handles[path].flush()
+                os.utime(path, (when, when))
+            touched.clear()
+            at_point(t)
+            written = 0
+
+        try:
+            for line in self.lines():
+                if now is not None and line.t != now and (written >= every or line.t - now > 60):
+                    point(now)
+                now = line.t
+                path = self._path(line)
+                if path not in handles:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    handles[path] = open(path, "a", encoding="utf-8")  # noqa: SIM115
+                handles[path].write(line.text + "\n")
+                touched.add(path)
+                written += 1
+            point(now or 0.0)
+        finally:
+            for h in handles.values():
+                h.close()
+
     def replay(
         self,
         speed: float = 50.0,
@@ -335,6 +386,7 @@ class TrainingRun:
         """Append the lines in simulated time divided by ``speed``; long quiet stretches (the
         1800 s before a collective times out) last at most ``max_pause`` real seconds."""
         self.launch_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
         handles = {
             self.rank_path(r): open(self.rank_path(r), "a", encoding="utf-8")  # noqa: SIM115
             for r in range(self.ranks)
@@ -440,6 +492,7 @@ def seed_scenario(
     work_dir = base / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
     run_a = TrainingRun(
         work_dir,
+        config=dino_config(base / "data", validation=True),
         timestamp="20261130_101500",
         ranks=ranks,
         epochs=3,
@@ -458,6 +511,7 @@ def seed_scenario(
     nan_step = (2 if iters >= 200 else 1) * iters + iters * 64 // 100 - 1
     run_b = TrainingRun(
         work_dir,
+        config=dino_config(base / "data", validation=False),
         timestamp="20261201_090000",
         ranks=ranks,
         epochs=4 if iters >= 200 else 3,
@@ -473,6 +527,32 @@ def seed_scenario(
         seed=2,
     )
     return run_a, run_b
+
+
+def dino_config(data_root: Path, *, validation: bool) -> str:
+    """The parts of an mmdet DINO config dump that hints read (dataset, batch sizes)."""
+    val = (
+        "val_cfg = dict(type='ValLoop')\n"
+        "val_dataloader = dict(\n    batch_size=8,\n    dataset=dict(\n"
+        "        ann_file='annotations/instances_val.json',\n"
+        f"        data_root='{data_root}/',\n        type='CocoDataset'),\n    num_workers=2)\n"
+        "val_evaluator = dict(type='CocoMetric')\n"
+        if validation
+        else "val_cfg = None\nval_dataloader = None\nval_evaluator = None\n"
+    )
+    return (
+        "auto_scale_lr = dict(base_batch_size=16)\n"
+        f"data_root = '{data_root}/'\n"
+        "default_scope = 'mmdet'\n"
+        "metainfo = dict(classes=('person', 'car', 'bicycle'))\n"
+        "train_cfg = dict(max_epochs=12, type='EpochBasedTrainLoop', val_interval=1)\n"
+        "train_dataloader = dict(\n    batch_size=2,\n    dataset=dict(\n"
+        "        ann_file='annotations/instances_train.json',\n"
+        f"        data_root='{data_root}/',\n"
+        "        filter_cfg=dict(filter_empty_gt=False, min_size=32),\n"
+        "        metainfo=dict(classes=('person', 'car', 'bicycle')),\n"
+        "        type='CocoDataset'),\n    num_workers=2)\n" + val
+    )
 
 
 def demo_scenario(base: Path, *, ranks: int = 8) -> tuple[TrainingRun, TrainingRun]:

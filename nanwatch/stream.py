@@ -43,20 +43,44 @@ class StreamState:
     step: int | None = None
     hint_stage: str | None = None
     hint_line: int = 0
+    hint_weak: bool = False  # the hint stage came from the entry script, not a loop frame
     hint_rank: int | None = None  # a rank named by a nearby error line (RankID:8)
     hint_rank_line: int = 0
+    hint_local_rank: int | None = None  # a local rank named the same way (local_rank: 2)
+    hint_rank_once: bool = False  # the hint rank is a record's prefix: only its next event's
+    # process id (a Ray actor's "pid=5012" prefix) -> the rank one of its lines named; replaced,
+    # never mutated in place
+    pid_ranks: dict[str, int] | None = None
     progress_line: int = 0  # the last iteration line: failure reports do not span it
     # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
     blocks: dict[str, list[Any]] = field(default_factory=dict)
+    # open records (tracebacks) by rank ("?" unknown): [name, line it opened on]; replaced,
+    # never mutated in place
+    records: dict[str, list[Any]] | None = None
     last_time: str | None = None
     # the rank the in-process companion announced in this stream; -1: several did (a shared one)
     announced: int | None = None
     line_no: int = 0  # complete lines consumed before the committed offset
+    first_epoch: int | None = None  # 0 once the stream printed an epoch 0: its epochs are 0-based
     # structured readers (msprobe CSV / dumps): header, row position, family counts; replaced,
     # never mutated in place, because the pipeline copies states shallowly
     msprobe: dict[str, Any] | None = None
     # launch identity the stream printed (LAUNCH_KEYS -> text); replaced, never mutated in place
     launch: dict[str, str] | None = None
+
+    def follow_step(self, step_given: bool) -> None:
+        """Epoch-based loops print the iteration within the epoch; the global step follows:
+        ``(epoch - 1) * iters + iter``, or ``epoch * iters + iter`` once the stream has shown
+        that it counts epochs from 0 (DeiT/MAE's "Epoch: [0]"), never a negative step."""
+        if self.epoch == 0:
+            self.first_epoch = 0
+        if step_given or self.stage not in (None, "train"):
+            return
+        if self.epoch is not None and self.iter is not None and self.iters:
+            done = self.epoch if self.first_epoch == 0 else self.epoch - 1
+            self.step = max(done, 0) * self.iters + self.iter
+        elif self.iter is not None and self.epoch is None:
+            self.step = self.iter
 
     def to_json(self) -> str:
         # only absent values are left out: rank 0, epoch 0 and step 0 are real values; json

@@ -51,6 +51,9 @@ class Message:
     metadata: Any = None
 
 
+DETAILS = "*Origin:*"  # how nanwatch's details reply starts
+
+
 class SlackServer:
     """Start with ``start()`` (or use as a context manager); ``stop()`` joins its thread."""
 
@@ -139,8 +142,16 @@ class SlackServer:
             return [m for m in self.messages if m.thread_ts is None]
 
     def replies(self, ts: str) -> list[Message]:
+        """The thread's news replies (the details reply every parent gets first is apart)."""
         with self.lock:
-            return [m for m in self.messages if m.thread_ts == ts]
+            return [
+                m for m in self.messages if m.thread_ts == ts and not m.text.startswith(DETAILS)
+            ]
+
+    def details(self, ts: str) -> list[Message]:
+        """The thread's details replies (origin, first log line, every known cause)."""
+        with self.lock:
+            return [m for m in self.messages if m.thread_ts == ts and m.text.startswith(DETAILS)]
 
     def channel_id(self, channel: str) -> str:
         if channel.startswith("#"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +31,8 @@ import yaml
 
 from .am_server import Catcher
 from .cluster_logs import RUN, RUN_ID, write_nodes
-from .conftest import NANWATCH, ROOT, wait_for
+from .conftest import NANWATCH, ROOT, nanwatch, wait_for
+from .test_sources import nan_line
 
 pytestmark = pytest.mark.slow
 EXAMPLE = ROOT / "systemd" / "alertmanager-example.yml"
@@ -225,3 +227,41 @@ def test_doctor_finds_the_real_alertmanager(alertmanager: Alertmanager, tmp_path
     )
     (check,) = [f for f in map(json.loads, out.stdout.splitlines()) if f["check"] == "alertmanager"]
     assert check["status"] == "ok" and "Alertmanager 0." in check["message"], check
+
+
+LIVE = re.compile(r"<[!@#]|<https?:")  # Slack mentions (<!here>, <@U1>, <#C1>) and links
+
+
+def test_hostile_names_reach_slack_escaped(alertmanager: Alertmanager, tmp_path: Path) -> None:
+    """Folder, job and node names are chosen by whoever starts a run: through the shipped
+    template they reach Slack as visible text, never as a ping or a link."""
+    logs = tmp_path / "c<!here>|x"
+    logs.mkdir()
+    (logs / "rank0.log").write_text(nan_line(1) + nan_line(2))
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(
+        f'[alertmanager]\nurl = "{alertmanager.url}"\n'
+        '[cluster]\njob = "j<!channel>&<@U024BE7LH>"\nnode = "n<!everyone><https://evil.example|x>"\n'
+    )
+    nanwatch("scan", "--notify", "--config", str(cfg), "--db", str(tmp_path / "nw.db"), str(logs))
+    (alert,) = alertmanager.alerts()
+    assert alert["labels"]["job"] == "j<!channel>&<@U024BE7LH>"  # labels stay plain
+    wait_for(lambda: bool(alertmanager.slack_texts()), timeout=30, what="a Slack post")
+    with alertmanager.slack.lock:
+        (body,) = [b for path, b in alertmanager.slack.posts if path.startswith("/slack")]
+    strings = _strings(body)
+    assert not [s for s in strings if LIVE.search(s)], strings
+    text = " ".join(strings)
+    assert "j&lt;!channel&gt;&amp;&lt;@U024BE7LH&gt;" in text  # escaped, so Slack shows it
+    assert "n&lt;!everyone&gt;&lt;https://evil.example|x&gt;" in text
+    assert "&lt;!here&gt;|x" in text
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from nanwatch.cli import cli
 from nanwatch.config import Config
 from nanwatch.correlate.knowledge import Knowledge
 from nanwatch.detect import Detector, StreamState, companion, load_rules
@@ -301,3 +303,36 @@ def test_explain_shows_the_facts_a_line_tells() -> None:
 def test_line_starts_find_every_record() -> None:
     chunk = b"a\nx NANWATCH-DATA {}\nb\nNANWATCH-FACTS {} NANWATCH-FACTS {}\nc"
     assert companion.line_starts(chunk) == {2, 23}
+
+
+def test_show_says_the_cann_version_is_unknown_and_how_to_find_it(tmp_path: Path) -> None:
+    """A job without torch_npu loaded says so in its facts; `show` passes it on."""
+    from nanwatch._probe_facts import collect_facts
+
+    facts = collect_facts(environ={"RANK": "6", "WORLD_SIZE": "8"})
+    assert "cann" not in facts["versions"]
+    log = tmp_path / "run" / "rank6.log"
+    log.parent.mkdir()
+    log.write_text(
+        "NANWATCH-FACTS " + json.dumps({"v": 1, "t": 1796033730.0, **facts}) + "\n"
+        "2026-11-30 10:20:41 (4411) [rank 6] [INFO] > Rule AnomalyNan reports anomaly signal in "
+        "('0:module.dn_query_generator.label_embedding.weight/rank6/pre_grad', 'norm') at step "
+        "1520.\n",
+        encoding="utf-8",
+    )
+    db = tmp_path / "db.sqlite"
+    res = CliRunner().invoke(cli, ["scan", "--db", str(db), str(log.parent)])
+    assert res.exit_code == 0, res.output
+    store = Store.open(db, readonly=True)
+    try:
+        (run,) = list_runs(store.conn)
+        assert run["facts"]["unknown"]["cann"] == "torch_npu is not imported by the job"
+        (inc,) = list_incidents(store.conn)
+    finally:
+        store.close()
+    res = CliRunner().invoke(cli, ["show", "--db", str(db), str(inc["id"])])
+    assert res.exit_code == 0, res.output
+    assert (
+        "CANN version unknown (torch_npu is not imported by the job): run "
+        "`cat $ASCEND_TOOLKIT_HOME/version.cfg`"
+    ) in " ".join(res.output.split())

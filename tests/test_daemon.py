@@ -345,3 +345,22 @@ def test_a_taken_metrics_port_fails_at_start(tmp_path: Path, logs: Path) -> None
         finally:
             daemon.kill()
     assert "[metrics] listen" in daemon.log() and "pick a free port" in daemon.log()
+
+
+def test_a_configured_work_dir_made_after_start_is_followed(tmp_path: Path) -> None:
+    """`[sources] paths` names where the job will write; the service starts first (at boot).
+    The line must come through inotify, well before the 30 s safety rescan."""
+    work = tmp_path / "job" / "work_dirs"
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    daemon = Daemon(tmp_path, write_config(tmp_path / "nw.toml", [work]), notify)
+    try:
+        notify.wait("READY", "1")
+        (work / "20261130_101500").mkdir(parents=True)
+        (work / "20261130_101500" / "20261130_101500.log").write_text(nan_line(7))
+        # half the rescan's period: what arrives came through inotify
+        wait_for(lambda: count(daemon.db) == 1, timeout=15, what="the event from the new folder")
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.kill()
+        notify.close()
+    assert "does not exist yet; it is followed once it appears" in daemon.log()

@@ -94,9 +94,9 @@ def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
     assert [(e.kind, e.iter) for e in events] == [("nan", 10), ("nan", 20)]
 
 
-def test_stage_from_frames_banners_and_bars_and_the_default() -> None:
+def test_stage_from_frames_banners_and_bars_and_none_by_default() -> None:
     events, _ = feed(["RuntimeError: CUDA error: out of memory"])
-    assert events[0].stage == "train"  # nothing says otherwise
+    assert events[0].stage is None  # nothing names one: not a silent "train"
     events, _ = feed(
         [
             "***** Running Evaluation *****",
@@ -117,6 +117,160 @@ def test_stage_from_frames_banners_and_bars_and_the_default() -> None:
         state,
     )
     assert (events[0].stage, events[0].epoch, events[0].iter) == ("train", 2, 5)
+
+
+OOM = "RuntimeError: CUDA error: out of memory"
+FRAMES = {
+    "mmengine ValLoop.run": (
+        [
+            '  File "/m/mmengine/runner/loops.py", line 373, in run',
+            "    self.runner.val_loop.run()",
+        ],
+        "val",
+    ),
+    "mmengine test_step": (['  File "/m/base_model.py", line 145, in test_step'], "test"),
+    "Lightning validation_step": (['  File "/w/model.py", line 88, in validation_step'], "val"),
+    "Lightning _evaluation_loop": (
+        [
+            '  File "/l/trainer/trainer.py", line 1029, in _run_stage',
+            "    return self._evaluation_loop.run()",
+        ],
+        "val",
+    ),
+    "Lightning predict_step": (['  File "/w/model.py", line 12, in predict_step'], "test"),
+    "HF evaluate": (['  File "/t/trainer.py", line 3011, in evaluate'], "val"),
+    "HF prediction_step": (['  File "/t/trainer.py", line 4271, in prediction_step'], "val"),
+    "HF evaluation_loop": (['  File "/t/trainer.py", line 3200, in evaluation_loop'], "val"),
+    "Megatron evaluate(": (
+        [
+            '  File "/mg/training.py", line 1500, in evaluate_and_print_results',
+            "    total_loss_dict, collected, timelimit = evaluate(",
+        ],
+        "val",
+    ),
+    "detectron2": (['  File "/d/evaluator.py", line 158, in inference_on_dataset'], "val"),
+    "test.py": (['  File "tools/test.py", line 12, in <module>'], "test"),
+    "eval.py": (['  File "/w/eval.py", line 30, in <module>'], "val"),
+    "inference server": (['  File "/srv/inference_server.py", line 9, in <module>'], "test"),
+    "train.py": (['  File "/w/tools/train.py", line 9, in <module>'], "train"),
+    "a library frame": (['  File "/t/nn/modules/module.py", line 1501, in _call_impl'], None),
+}
+
+
+def test_stage_from_the_frames_of_each_framework_and_the_entry_script() -> None:
+    got = {}
+    for name, (frames, _) in FRAMES.items():
+        events, _ = feed(["Traceback (most recent call last):", *frames, OOM])
+        got[name] = events[0].stage
+    assert got == {name: stage for name, (_, stage) in FRAMES.items()}
+
+
+def test_an_entry_script_never_replaces_a_loop_frame() -> None:
+    frames = [
+        '  File "/w/tools/train.py", line 9, in <module>',
+        '  File "/m/base_model.py", line 133, in val_step',
+    ]
+    events, _ = feed(["Traceback (most recent call last):", *frames, OOM])
+    assert events[0].stage == "val"
+    # IPython order: the error first, then the frames; the loop frame still wins
+    events, _ = feed([f"[rank1]: {OOM}", *(f"[rank1]: {f}" for f in frames)])
+    assert events[0].stage == "val"
+
+
+RANKS = {
+    "torchrun": ([f"[rank3]: {OOM}"], 3),
+    "torchrun role": ([f"[default3]:{OOM}"], 3),
+    "HCCL plog rankId": (
+        [
+            "[ERROR] HCCL(4242,python):2026-03-02-10:01:02.444.436 [hccl_communicator.cc:812]"
+            "[4242][Init][Result]HcclCommInitRootInfo failed, rankId 3, rankSize 8, "
+            "errNo[0x0000000005000004]"
+        ],
+        3,
+    ),
+    "torch_npu RankID": (
+        [
+            "[ERROR] 2026-03-02-10:01:02 (PID:4242, Device:3, RankID:3) ERR01100 OPS call acl",
+            "EI0002: [PID: 4242] 2026-03-02-10:01:02.444.436 The wait execution of the Notify "
+            "register times out.",
+        ],
+        3,
+    ),
+    "local_rank key": (["[E ProcessGroupHCCL.cpp:488] local_rank: 2, work pending", OOM], 2),
+    "DeepSpeed [Rank 3]": (
+        [f"[2026-03-02 10:01:02,444] [ERROR] [engine.py:1920:step] [Rank 3] {OOM}"],
+        3,
+    ),
+    "vLLM worker": (
+        [f"(VllmWorker rank=2 pid=81234) ERROR 03-02 10:01:02 [executor.py:470] {OOM}"],
+        2,
+    ),
+    "Ray actor named by its rank": ([f"(PolicyWorker_rank3 pid=7001, ip=10.0.0.9) {OOM}"], 3),
+    "Ray worker that said its rank earlier": (
+        [
+            "(RayWorkerWrapper pid=5012, ip=10.0.0.5) INFO [parallel_state.py:1004] rank=2 "
+            "local_rank=2 world_size=4",
+            "(RayWorkerWrapper pid=5013, ip=10.0.0.5) INFO [parallel_state.py:1004] rank=3 "
+            "local_rank=3 world_size=4",
+            f"(RayWorkerWrapper pid=5012, ip=10.0.0.5) ERROR [worker_base.py:620] {OOM}",
+        ],
+        2,
+    ),
+    "[worker3]": ([f"[worker3] {OOM}"], 3),
+    "a traceback whose first lines carry the prefix": (
+        [
+            "[rank6]: Traceback (most recent call last):",
+            '[rank6]:   File "/w/train.py", line 88, in <module>',
+            "    loss.backward()",
+            OOM,
+        ],
+        6,
+    ),
+    "a peer's rank is not the reporter's": (
+        ["[W socket.cpp:663] [c10d] connect to peer failed, remote rank=5", OOM],
+        None,
+    ),
+}
+
+
+def test_rank_from_every_launcher_and_library_prefix_or_key() -> None:
+    got = {}
+    for name, (lines, _) in RANKS.items():
+        events, _ = feed(lines)
+        got[name] = [e.rank for e in events]
+    assert got == {name: [rank] for name, (_, rank) in RANKS.items()}
+
+
+def test_a_record_rank_is_lent_once_and_a_pid_keeps_its_rank_across_chunks() -> None:
+    state = StreamState()
+    events, _ = feed(["[rank6]: Traceback (most recent call last):", OOM, OOM], state)
+    assert [e.rank for e in events] == [6]  # the second OOM is folded into the same report
+    state = StreamState()
+    feed(
+        ["(RayWorkerWrapper pid=5012, ip=10.0.0.5) INFO worker.py:120] rank=2 world_size=4"], state
+    )
+    copy_ = StreamState.from_json(state.to_json())  # a restart resumes with what it learnt
+    events, _ = feed([f"(RayWorkerWrapper pid=5012, ip=10.0.0.5) {OOM}"] * 1, copy_)
+    assert [e.rank for e in events] == [2]
+
+
+def test_zero_based_epochs_never_give_negative_steps() -> None:
+    state = StreamState()
+    line = "[01:34:12.610327] Epoch: [{e}]  [10/1504]  lr: 0.000001  loss: 1.5367 (1.5368)"
+    feed([line.format(e=0)], state)
+    assert (state.epoch, state.iter, state.step) == (0, 10, 10)
+    feed([line.format(e=1)], state)
+    assert state.step == 1514
+    # mmengine counts epochs from 1
+    state = StreamState()
+    feed(
+        [
+            "2026/11/30 10:00:00 - mmengine - INFO - Epoch(train)  [1][10/16]  lr: 1.0e-04  "
+            "eta: 0:00:10  time: 0.5  data_time: 0.01  memory: 100  loss: 1.0"
+        ],
+        state,
+    )
+    assert state.step == 10
 
 
 def test_progress_bars_glued_with_carriage_returns() -> None:
@@ -194,7 +348,7 @@ def test_healthy_lines_of_every_family_stay_clean() -> None:
         "2024/08/26 16:38:23 - mmengine - INFO - Epoch(train)  [1][200/953]  lr: 1.0043e-03  "
         "eta: 5:34:07  time: 0.5117  data_time: 0.0025  memory: 5483  grad_norm: 227.8793  "
         "loss: 4.6860",
-        "[2023-09-13 10:20:36,763] torch.distributed.run: [WARNING] Setting OMP_NUM_THREADS "
+        "[2023-09-14 10:37:59,763] torch.distributed.run: [WARNING] Setting OMP_NUM_THREADS "
         "environment variable for each process to be 1 in default",
         "  fp16.loss_scale ................ 0",
         "Best val loss: inf -> 0.532, saving checkpoint",

@@ -181,6 +181,7 @@ def test_slack_without_token_or_route(node: Path) -> None:
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/api/"  # nobody listens once closed
     token = node / "t"
     token.write_text(GOOD)
+    token.chmod(0o600)
     section = f'[slack]\nchannel = "#a"\nbase_url = "{dead}"\ntoken_file = "{token}"\n'
     code, out = doctor("--config", str(config(node, section)))
     assert code == 1 and "cannot reach" in out and "HTTPS_PROXY" in out

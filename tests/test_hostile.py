@@ -13,11 +13,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from nanwatch.config import Config, SourcesConfig
+from nanwatch.errors import StoreError
+from nanwatch.pipeline import Backoff, Pipeline
 from nanwatch.sources.discover import make_roots
 from nanwatch.sources.watcher import choose_mode
+from nanwatch.store import Store
 
 from .conftest import NANWATCH, wait_for
 from .test_kill import event_count
@@ -342,3 +347,178 @@ def test_watchdog_stop_race_is_not_shown_as_an_error(caplog):
         wlog.error("something else went wrong")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["something else went wrong"]
+
+
+def test_a_file_made_readable_is_followed_without_a_rescan(shared_dir: Path) -> None:
+    """chmod comes as an attribute change: the file is read then, not at the next full walk
+    (pushed out of reach here, so only the watcher can bring the line)."""
+    prefix = unprivileged()
+    if ROOT and not prefix:
+        pytest.skip("needs an unprivileged user (unshare) to be refused a chmod 000 file")
+    logs = shared_dir / "logs"
+    logs.mkdir()
+    logs.chmod(0o777)
+    secret = logs / "rank4.log"
+    secret.write_text(nan_line(8))
+    secret.chmod(0o000)
+    (logs / "rank5.log").write_text(nan_line(9))
+    db = shared_dir / "state" / "nw.db"
+    db.parent.mkdir()
+    db.parent.chmod(0o777)
+    code = (
+        "import sys, nanwatch.pipeline as p; p.SAFETY_POLL = 3600.0; "
+        "from nanwatch.cli import main; sys.argv[0] = 'nanwatch'; main()"
+    )
+    out_path = shared_dir / "watch.out"
+    out = out_path.open("wb")
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", code, "watch", "--quiet", "-v", "--db", str(db), str(logs)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        wait_for(lambda: 9 in iters(db), timeout=30, what="the readable file")
+        assert "permission denied" in out_path.read_text()
+        assert 8 not in iters(db)
+        secret.chmod(0o644)
+        wait_for(lambda: 8 in iters(db), timeout=10, what="the file made readable")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    assert iters(db) == {8: 1, 9: 1}
+
+
+def _limit_pages(store: Store, pages: int | None) -> None:
+    """The database can grow no further (SQLITE_FULL, as on a full disk), or again freely."""
+    if pages is None:
+        pages = 1 << 30
+    store.execute(f"PRAGMA max_page_count={pages}")
+
+
+def _feeds(pipe: Pipeline) -> list[int]:
+    """The size of every chunk handed to detection (a spy around the real detector)."""
+    fed: list[int] = []
+    real = pipe.detector.feed
+
+    def feed(data: bytes, *args: Any, **kw: Any) -> Any:
+        fed.append(len(data))
+        return real(data, *args, **kw)
+
+    pipe.detector.feed = feed  # type: ignore[method-assign]
+    return fed
+
+
+def test_a_refused_commit_is_retried_without_reading_or_detecting_again(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_text(nan_line(1))
+    db = tmp_path / "nw.db"
+    store = Store.open(db)
+    pipe = Pipeline(Config(), store, [str(logs)], live=True)
+    try:
+        pipe.step()
+        fed = _feeds(pipe)
+        with log.open("a") as f:
+            f.write("".join(nan_line(i) for i in range(2, 3002)))
+        _limit_pages(store, store.conn.execute("PRAGMA page_count").fetchone()[0])
+        for _ in range(4):
+            with pytest.raises(StoreError, match="full"):
+                pipe.step()
+        assert sum(fed) == log.stat().st_size - len(nan_line(1))  # detected once, kept
+        _limit_pages(store, None)
+        pipe.step()
+        pipe.step()
+        assert sum(fed) == log.stat().st_size - len(nan_line(1))
+    finally:
+        pipe.tracker.close()
+        store.close()
+    got = iters(db)
+    assert set(got) == set(range(1, 3002)) and all(n == 1 for n in got.values())
+
+
+def test_backoff_doubles_to_its_cap_on_its_own_clock() -> None:
+    now = [100.0]
+    b = Backoff(first=1.0, cap=60.0, clock=lambda: now[0])
+    assert b.due()
+    assert [b.failed() for _ in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert not b.due() and b.left() == 60
+    now[0] += 59.5
+    assert not b.due()
+    now[0] += 0.5
+    assert b.due()
+    b.reset()
+    assert b.failed() == 1
+
+
+def test_a_paused_watch_retries_on_its_backoff_not_on_every_wake_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_text("".join(nan_line(i) for i in range(1, 3001)))
+    db = tmp_path / "nw.db"
+    store = Store.open(db)
+    _limit_pages(store, store.conn.execute("PRAGMA page_count").fetchone()[0])
+    pipe = Pipeline(Config(sources=SourcesConfig(mode="inotify")), store, [str(logs)], live=True)
+    now = [0.0]
+    pipe.retry = Backoff(clock=lambda: now[0])
+    fed = _feeds(pipe)
+    attempts: list[int] = []
+    real_write = pipe._write
+
+    def write(batch: Any) -> None:
+        attempts.append(len(batch))
+        real_write(batch)
+
+    pipe._write = write  # type: ignore[method-assign]
+    ticks = [0]
+    release = threading.Event()
+
+    def on_tick() -> None:  # the writer thread's own hook: the only one to touch the store
+        ticks[0] += 1
+        if release.is_set():
+            _limit_pages(store, None)
+
+    stop = threading.Event()
+    t = threading.Thread(target=pipe.watch, args=(stop,), kwargs={"on_tick": on_tick})
+    t.start()
+    try:
+        wait_for(lambda: pipe.paused is not None, timeout=30, what="the pause")
+        first = sum(fed)
+        assert attempts == [attempts[0]] and first == log.stat().st_size
+        for i in range(3001, 3006):  # wake-ups while the disk is full
+            seen = ticks[0]
+            with log.open("a") as f:
+                f.write(nan_line(i))
+            wait_for(lambda s=seen: ticks[0] > s, timeout=10, what="a wake-up")
+        assert len(attempts) == 1 and sum(fed) == first
+        now[0] += 1.0  # its turn: one attempt, refused again, nothing read
+        pipe.wake.set()
+        wait_for(lambda: pipe.retry.delay == 2.0, timeout=10, what="the second attempt")
+        assert len(attempts) == 2 and pipe.paused is not None and sum(fed) == first
+        release.set()
+        seen = ticks[0]
+        pipe.wake.set()
+        wait_for(lambda: ticks[0] > seen, timeout=10, what="the release")
+        now[0] += 2.0
+        pipe.wake.set()
+        wait_for(lambda: pipe.paused is None, timeout=30, what="the resume")
+        wait_for(lambda: len(iters(db)) == 3005, timeout=30, what="every event")
+        assert pipe.retry.delay == 0.0
+        assert sum(fed) == log.stat().st_size  # every byte detected once
+    finally:
+        stop.set()
+        pipe.request_stop()
+        t.join(30)
+        store.close()
+    got = iters(db)
+    assert set(got) == set(range(1, 3006)) and all(n == 1 for n in got.values())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, wait_for
+from .conftest import NANWATCH, ROOT, wait_for
 from .test_sources import nan_line
 
 pytestmark = pytest.mark.slow
@@ -146,3 +146,70 @@ def test_one_writer_per_database_but_silences_still_work(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_writer_through_another_name_is_refused(tmp_path: Path) -> None:
+    """The lock is the database file's, not its name's: a symlink, a hard link or a relative
+    path to a database being written is refused, naming the writer; readers still read."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text("".join(nan_line(i) for i in range(1, 51)))
+    db = tmp_path / "nw.db"
+    proc = start_watch(db, logs, tmp_path / "out")
+    try:
+        wait_for(lambda: event_count(db) == 50, timeout=30, what="the first events")
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        (other / "sym.db").symlink_to(db)
+        os.link(db, other / "hard.db")
+        names = [str(other / "sym.db"), str(other / "hard.db"), os.path.relpath(db, other)]
+        for name in names:
+            second = subprocess.run(
+                [*NANWATCH, "scan", "--db", name, str(logs)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=other,  # the relative name is relative to here; this checkout is imported
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+            assert second.returncode == 1, (name, second.stdout, second.stderr)
+            assert f"pid {proc.pid}" in second.stderr, (name, second.stderr)
+            assert "another nanwatch process" in second.stderr
+        reader = subprocess.run(
+            [*NANWATCH, "events", "--db", str(db), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert reader.returncode == 0, reader.stderr
+        assert len(reader.stdout.splitlines()) == 50
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert event_count(db) == 50
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()
+
+
+def test_the_lock_holder_is_read_from_the_kernels_table(tmp_path: Path) -> None:
+    from nanwatch.store.db import _flock_holder
+
+    table = tmp_path / "locks"
+    table.write_text(
+        "1: POSIX  ADVISORY  READ 11 fe:00:77 1073741826 1073742335\n"
+        "2: FLOCK  ADVISORY  WRITE 4242 fe:00:77 0 EOF\n"
+        "2: -> FLOCK  ADVISORY  WRITE 4343 fe:00:77 0 EOF\n"
+        "3: FLOCK  ADVISORY  WRITE 5151 00:2a:99 0 EOF\n"
+    )
+    dev = os.makedev(0xFE, 0)
+    assert _flock_holder(dev, 77, str(table)) == 4242
+    # another device number for the same inode (btrfs subvolumes): still found when alone
+    assert _flock_holder(os.makedev(0, 0x31), 99, str(table)) == 5151
+    assert _flock_holder(dev, 12345, str(table)) is None
+    assert _flock_holder(dev, 77, str(tmp_path / "missing")) is None

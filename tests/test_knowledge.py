@@ -52,7 +52,21 @@ def test_only_applicable_hints_are_attached() -> None:
     assert not any("hccl" in i or "collective" in i for i in ids)
     text = " ".join(h["title"] + h["text"] + " ".join(h["commands"]) for h in hints)
     assert "8.0.0" in text and "gt_labels" in text and "nanwatch check-dataset" in text
-    assert "cann version is unknown here" in text.lower()
+    assert "CANN version unknown: run `cat $ASCEND_TOOLKIT_HOME/version.cfg`" in text
+
+
+def test_an_unknown_version_says_why_and_what_to_run() -> None:
+    s = Situation(
+        kind="nan",
+        origin={"tensor": "module.x.label_embedding.weight"},
+        unknown={"cann": "torch_npu is not imported by the job"},
+    )
+    hint = next(h for h in KB.match(s) if h["id"] == "nan-embedding-empty-input-cann")
+    assert (
+        "CANN version unknown (torch_npu is not imported by the job): run "
+        "`cat $ASCEND_TOOLKIT_HOME/version.cfg` (or `npu-smi info`); this applies if it is <8.0.0"
+    ) in hint["text"]
+    assert hint["commands"][0] == "cat $ASCEND_TOOLKIT_HOME/version.cfg"
 
 
 def test_known_new_cann_drops_the_cann_hint() -> None:

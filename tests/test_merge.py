@@ -12,7 +12,7 @@ import pytest
 from nanwatch.store import SCHEMA_VERSION, Store
 from nanwatch.store.schema import MIGRATIONS
 
-from .cluster_logs import RUN, RUN_ID, write_nodes
+from .cluster_logs import RUN, RUN_ID, write_fleet, write_nodes
 from .conftest import nanwatch
 
 
@@ -68,6 +68,49 @@ def test_the_oom_on_node_a_absorbs_node_b_timeouts(
     assert run["node"] is None and run["job"] == RUN_ID  # fed by two nodes
     assert run["nodes"] == ["node-a", "node-b"]
     assert run["facts"]["launch"]["torchelastic_run_id"] == RUN_ID
+
+
+OOM_RANK = 130  # on node-16 of 32
+
+
+@pytest.fixture(scope="module")
+def fleet_dbs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """32 nodes of 8 ranks, each scanned into its own database (node-00 first)."""
+    from nanwatch.config import ClusterConfig, Config
+    from nanwatch.pipeline import Pipeline
+
+    base = tmp_path_factory.mktemp("fleet")
+    dbs = []
+    for name, logs in write_fleet(base / "logs", nodes=32, per_node=8, oom_rank=OOM_RANK).items():
+        dbs.append(base / f"{name}.db")
+        store = Store.open(dbs[-1])
+        try:
+            Pipeline(Config(cluster=ClusterConfig(node=name)), store, [str(logs)]).scan()
+        finally:
+            store.close()
+    return dbs
+
+
+@pytest.mark.parametrize("order", ["root-last", "root-first", "root-between"])
+def test_a_32_node_fleet_names_the_rank_that_ran_out_of_memory(
+    fleet_dbs: list[Path], tmp_path: Path, order: str
+) -> None:
+    """255 ranks' timeouts name rank 130; whichever order the node databases are merged in,
+    the fleet incident's origin, title and story are that rank's."""
+    root_db = fleet_dbs[OOM_RANK // 8]
+    others = [d for d in fleet_dbs if d != root_db]
+    dbs = {
+        "root-last": [*others, root_db],
+        "root-first": [root_db, *others[::-1]],
+        "root-between": [*others[:16][::-1], root_db, *others[16:]],
+    }[order]
+    (inc,) = merge(tmp_path / "fleet.db", *dbs)["incidents"]
+    assert inc["kind"] == "oom" and inc["event_count"] == 256
+    assert inc["origin"]["rank"] == OOM_RANK and inc["origin"]["stage"] == "val"
+    assert inc["title"].startswith(f"Out of memory on rank {OOM_RANK} in validation")
+    assert "255 other ranks then timed out in HCCL" in inc["title"]
+    assert inc["detail"]["root_cause"].startswith(f"Rank {OOM_RANK} ran out of device memory")
+    assert sorted(inc["detail"]["symptom_ranks"]) == [r for r in range(256) if r != OOM_RANK]
 
 
 def test_merging_again_adds_nothing(node_dbs: dict[str, Path], tmp_path: Path) -> None:

@@ -152,8 +152,18 @@ def test_monitor_files_are_recognised_by_place_and_name() -> None:
     # ordinary files, even with similar names, stay text
     assert classify("/o/logs/grad_unreduced_3-5.csv") is None
     assert classify(f"{d}/train.log") is None
-    t = folder_time("Nov30_15-48-51-rank1-de3ab572", year=2026)
+    # the year is the latest one that puts the folder's creation before its mtime
+    dec_2026 = 1796083200.0  # 2026-12-01 00:00 UTC
+    t = folder_time("Nov30_15-48-51-rank1-de3ab572", dec_2026)
     assert t is not None and t == pytest.approx(1796024931.0)  # 2026-11-30 07:48:51 UTC
+    # a folder named on 31 December and written into on 2 January is last year's
+    jan_2027 = 1798848000.0  # 2027-01-02 00:00 UTC
+    t = folder_time("Dec31_23-59-00-rank0-de3ab572", jan_2027)
+    assert t == pytest.approx(1798732740.0)  # 2026-12-31 15:59:00 UTC
+    # the same name in a folder last written in 2029 is 2029's
+    dec_2029 = 1891209600.0  # 2029-12-06 00:00 UTC
+    t = folder_time("Nov30_15-48-51-rank1-de3ab572", dec_2029)
+    assert t == pytest.approx(1890719331.0)  # 2029-11-30 07:48:51 UTC
 
 
 # -- rows ----------------------------------------------------------------------------------------

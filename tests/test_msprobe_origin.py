@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
@@ -322,8 +321,14 @@ def test_monitor_output_and_stdout_are_one_run_and_relaunches_split(tmp_path: Pa
     later.step(1, {1: {"grad_unreduced": {"layers.0.weight"}, "grad_reduced": ALL}})
     log = root / "stdout.log"
     log.write_text("[train] iter 1 rank 0 loss: nan\n")
-    old = time.time() - 3600
-    os.utime(log, (old, old))  # written before the relaunch: the first launch's log
+    # Times from the data, never from today: the folders were written into minutes after they
+    # were named on 1 December 2026 (Asia/Shanghai, msprobe's zone), and the log was last
+    # written between the two launches, so it is the first launch's.
+    launch = 1796090400.0  # 2026-12-01 10:00:00 +08:00
+    for tree, written in ((first, launch + 300), (later, launch + 900)):
+        for d in tree.dirs.values():
+            os.utime(d, (written, written))
+    os.utime(log, (launch + 120, launch + 120))
     scan(tmp_path / "db", root)
     store = Store.open(tmp_path / "db", readonly=True)
     try:

@@ -187,6 +187,19 @@ def test_a_record_is_printed_once_per_console(tmp_path: Path) -> None:
     assert "NANWATCH-STAGE" in (tmp_path / "rank1.log").read_text()
 
 
+def test_the_stage_is_what_the_loop_marked_never_a_default() -> None:
+    out = io.StringIO()
+    p = Probe(stream=out, rank=0)
+    assert p.memory_summary()["stage"] is None  # an inference server is not training
+    p.stage("val", "start")
+    assert p.memory_summary()["stage"] == "val"
+    p.stage("val", "end")  # validation inside training: training resumes
+    assert p.memory_summary()["stage"] == "train"
+    p.stage("test", "start")
+    p.stage("test", "end")
+    assert p.memory_summary()["stage"] is None
+
+
 def test_a_record_stays_one_line() -> None:
     line = encode("DATA", {"image": "a\u2028b\nc\x85d/新.jpg", "reason": "empty ground truth"})
     assert len(line.splitlines()) == 1
@@ -229,11 +242,13 @@ def test_facts_from_the_environment() -> None:
     assert f["work_dir"].endswith("work_dirs/dino")
     # without torch_npu in the process, CANN is unknown (and nothing imports it)
     assert "torch_npu" not in sys.modules
-    assert f["versions"]["cann"] is None and "torch_npu" not in f["versions"]
+    assert "cann" not in f["versions"] and "torch_npu" not in f["versions"]
     assert f["versions"]["torch"] == torch.__version__
     assert f["device"] == {"type": "cpu"}
     told = companion.run_facts(json.loads(json.dumps(f)))
-    assert "cann" not in told["versions"]  # unknown stays absent in runs.facts
+    assert "cann" not in told["versions"]  # no made-up version in runs.facts
+    # ... but the run's facts say that it is unknown, and why
+    assert "torch_npu is not imported" in told["unknown"]["cann"]
 
 
 def test_process_group_timeout_and_backend_in_a_real_group(tmp_path: Path) -> None:

@@ -204,6 +204,7 @@ def test_read_secret_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert read_secret(file=None, **args) == "from-credential"
     f = tmp_path / "token"
     f.write_text(" from-file \n")
+    f.chmod(0o600)  # a secret file is owner-only
     assert read_secret(file=str(f), **args) == "from-file"
     with pytest.raises(ConfigError, match=r"token_file = .*no such file"):
         read_secret(file=str(tmp_path / "missing"), **args)

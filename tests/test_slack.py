@@ -20,8 +20,16 @@ from nanwatch.correlate import Change
 from nanwatch.errors import ConfigError
 from nanwatch.notify.outbox import Sender
 from nanwatch.notify.silences import add_silence
-from nanwatch.notify.slack import SlackSettings, SlackSink, slack_settings
-from nanwatch.notify.slack_text import FIELD_MAX, HEADER_MAX, SECTION_MAX, parent_blocks
+from nanwatch.notify.slack import SlackSettings, SlackSink, _csv_row, slack_settings
+from nanwatch.notify.slack_text import (
+    FIELD_MAX,
+    HEADER_MAX,
+    PARENT_VISIBLE,
+    SECTION_MAX,
+    details_text,
+    parent_blocks,
+    visible_chars,
+)
 from nanwatch.pipeline import Pipeline
 from nanwatch.simulate import seed_scenario
 from nanwatch.store import Store
@@ -139,12 +147,16 @@ def test_blocks_escape_log_text_and_stay_within_limits() -> None:
         "detail": {"root_cause": "<!here> " * 1000},
     }
     blocks = parent_blocks(inc, first_line="loss: nan" + MENTIONS * 300)
+    details = details_text(inc, first_line="loss: nan" + MENTIONS * 300)
     text = json.dumps(blocks)
     for raw in ("<!channel>", "<!here>", "<@U", "<https://"):
-        assert raw not in text
-    assert "&lt;!channel&gt;" in text and "&amp; co" in text
+        assert raw not in text and raw not in details
+    assert "&lt;!here&gt;" in text  # the root cause, shown as text
+    assert "&lt;!channel&gt;" in details and "&amp; co" in details
     assert blocks[0]["text"]["type"] == "plain_text"
     assert len(blocks[0]["text"]["text"]) <= HEADER_MAX
+    assert visible_chars(blocks) <= PARENT_VISIBLE
+    assert len(details) <= SECTION_MAX
     for b in blocks:
         if b["type"] == "section" and "text" in b:
             assert len(b["text"]["text"]) <= SECTION_MAX
@@ -152,10 +164,78 @@ def test_blocks_escape_log_text_and_stay_within_limits() -> None:
         for f in b.get("fields", []):
             assert len(f["text"]) <= FIELD_MAX
     # clipped text points to the full story and never ends inside an entity
-    assert "truncated: nanwatch show 7" in text
+    assert "nanwatch show 7" in text and "truncated: nanwatch show 7" in details
     for b in blocks:
         body = b.get("text", {}).get("text", "")
         assert not body.rstrip("`").endswith(("&", "&l", "&lt", "&a", "&am", "&amp"))
+
+
+def test_parent_answers_what_where_why_next_within_800_characters() -> None:
+    inc = {
+        "id": 3,
+        "kind": "nan",
+        "status": "open",
+        "severity": "critical",
+        "title": "Non-finite label_embedding.weight first on rank 6, step 163 (run exp/b)",
+        "run": "dino-4scale_r50_8xb2-12e_coco/20261201_090000",
+        "node": "node-17",
+        "ranks": list(range(8)),
+        "event_count": 351,
+        "first_time": "2026-12-01T09:08:08.000Z",
+        "origin": {"rank": 6, "step": 163, "tensor": "label_embedding.weight"},
+        "detail": {"root_cause": "the NaN was produced inside the backward of label_embedding"},
+        "hints": [
+            {"title": "CANN < 8.0.0", "text": "t" * 900, "commands": ["cat version.cfg"]},
+            {"title": "empty gt", "text": "u" * 900, "commands": ["nanwatch check-dataset a.json"]},
+            {"title": "third", "text": "v", "commands": ["echo third"]},
+        ],
+        "_root_where": "grad_unreduced_160-169.csv:35",
+        "_config": "/etc/nanwatch/nanwatch.toml",
+    }
+    blocks = parent_blocks(inc)
+    text = json.dumps(blocks, ensure_ascii=False)
+    assert visible_chars(blocks) <= PARENT_VISIBLE
+    header = blocks[0]["text"]["text"]
+    assert header.startswith("#3 Non-finite") and "(run " not in header  # the run is a field
+    for want in (
+        "*nan*",
+        "critical",
+        "dino-4scale_r50_8xb2-12e_coco/20261201_090000",
+        "host `node-17`",
+        "rank 6",
+        "grad_unreduced_160-169.csv:35",
+        "*Root cause:* the NaN was produced",
+        "`cat version.cfg`",
+        "`nanwatch check-dataset a.json`",  # the second cause's action is not hidden
+        "nanwatch show 3 --config /etc/nanwatch/nanwatch.toml",
+    ):
+        assert want in text, want
+    assert "echo third" not in text and "t" * 50 not in text  # the thread has the rest
+    details = details_text(inc)
+    assert "echo third" in details and "*Known cause:* third" in details
+
+
+def test_a_monitor_csv_row_is_shown_with_its_column_names() -> None:
+    header = "vpp_stage,name,step,micro_step,norm,nans,shape"
+    row = '0,module.label_embedding.weight,163,0,nan,1,"[80, 256]"'
+    assert _csv_row(header, row) == (
+        "vpp_stage=0; name=module.label_embedding.weight; step=163; micro_step=0; norm=nan; "
+        "nans=1; shape=[80, 256]"
+    )
+    assert _csv_row("a,b", "1,2,3") == "1,2,3"  # a row that does not fit its header: as is
+
+
+def test_slowdown_parent_states_baseline_to_current_and_the_baseline_run() -> None:
+    inc = {
+        "id": 2,
+        "kind": "slowdown",
+        "status": "open",
+        "title": "Step time slowdown: 3.3x (run exp/b)",
+        "run": "exp/b",
+        "origin": {"ratio": 3.31, "baseline": 0.8646, "current": 2.8587, "against": "exp/a"},
+    }
+    text = json.dumps(parent_blocks(inc))
+    assert "0.865 s -&gt; 2.86 s (3.31x) against the previous run exp/a" in text
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -219,7 +299,10 @@ def test_one_parent_then_edits_and_thread_replies_for_news(
     rig.step()
     rig.pump(lambda: len(slack.parents()) == 1)
     (parent,) = slack.parents()
-    assert "&lt;!channel&gt;" in json.dumps(parent.blocks)
+    # where it was seen is the parent's (file:line); the log line is the thread's, as text
+    assert "rank0.log:" in json.dumps(parent.blocks)
+    rig.pump(lambda: len(slack.details(parent.ts)) == 1)
+    assert "&lt;!channel&gt;" in slack.details(parent.ts)[0].text
 
     # a new rank: the parent is edited and the thread says so
     rig.nan(1)
@@ -239,6 +322,9 @@ def test_one_parent_then_edits_and_thread_replies_for_news(
     assert "ranks 2 affected" in reply and "ranks 3 affected" in reply
     assert len(parent.edits) == edits + 1
     assert rig.pending() == 0
+    # at its first post and after every edit, the parent stays short
+    for blocks in [parent.blocks, *(e["blocks"] for e in parent.edits)]:
+        assert visible_chars(blocks) <= PARENT_VISIBLE
 
     # more lines on known ranks are no news: counts at most, never a post per line
     rig.nan(0, 20)
@@ -323,10 +409,9 @@ def test_refused_blocks_fall_back_to_text(
     rig = rig_factory(sink_for(slack))
     rig.nan(0)
     rig.step()
-    rig.pump(lambda: len(slack.parents()) == 1)
+    rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
     (parent,) = slack.parents()
     assert parent.blocks is None and "#1 nan" in parent.text
-    assert rig.pending() == 0
 
 
 def test_a_message_slack_can_never_take_is_given_up(
@@ -433,7 +518,7 @@ def test_reminders_for_open_incidents(slack: SlackServer, rig_factory: Callable[
     rig = rig_factory(sink_for(slack, repeat_interval=0.5))
     rig.nan(0)
     rig.step()
-    rig.pump(lambda: len(slack.parents()) == 1)
+    rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
     (parent,) = slack.parents()
     assert rig.pipe.outbox is not None
     assert rig.pipe.outbox.enqueue_reminders() == 0  # just told
@@ -454,8 +539,8 @@ def test_silence_holds_messages_until_it_ends(
     rig.step()
     rig.pump(lambda: str(rig.outbox()[0][2]).startswith("silenced"))
     assert slack.parents() == []
-    rig.pump(lambda: len(slack.parents()) == 1)
-    assert rig.pending() == 0
+    rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
+    assert len(slack.details(slack.parents()[0].ts)) == 1
 
 
 def test_plain_scan_incidents_are_never_posted_by_a_later_watch(
@@ -605,7 +690,7 @@ def test_one_budget_per_channel_also_after_a_restart(
     rig = rig_factory(sink_for(slack))
     rig.nan(0)
     rig.step()
-    rig.pump(lambda: len(slack.parents()) == 1)
+    rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
     rig.close()
     sink = sink_for(slack, group_interval=0.0)
     sink.pace = 1.0
@@ -622,9 +707,17 @@ def test_one_budget_per_channel_also_after_a_restart(
             )
         again.step()
         (first,) = slack.parents()
-        again.pump(lambda: len(slack.parents()) == 2 and bool(slack.replies(first.ts)))
-        times = sorted(c.at for c in slack.calls if c.method.startswith("chat."))[1:]
-        assert len(times) == 3
+        again.pump(
+            lambda: (
+                len(slack.parents()) == 2
+                and bool(slack.replies(first.ts))
+                and bool(slack.details(slack.parents()[1].ts))
+            )
+        )
+        # after the first process's parent and details: an edit and a reply for incident 1,
+        # then incident 2's parent and details, one second apart in the channel's one budget
+        times = sorted(c.at for c in slack.calls if c.method.startswith("chat."))[2:]
+        assert len(times) == 4
         assert all(b - a >= 0.9 for a, b in itertools.pairwise(times))
     finally:
         again.close()

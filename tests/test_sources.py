@@ -405,6 +405,51 @@ def test_new_files_and_folders_appear_later(tmp_path: Path, db: Path) -> None:
         live.close()
 
 
+@pytest.mark.parametrize(
+    "hole, sparse",
+    [(1000, True), (4 << 20, True), ((4 << 20) + 1, True), (50_000_000, True), (9 << 20, False)],
+)
+def test_a_hole_of_nul_bytes_after_copytruncate_keeps_the_line_after_it(
+    tmp_path: Path, db: Path, hole: int, sparse: bool
+) -> None:
+    import tracemalloc
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    # no O_APPEND (`python train.py > rank0.log`): after copytruncate the writer goes on at
+    # its own offset, and the bytes before it read back as NULs (a sparse hole)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+    live = Live(db, [str(d)])
+    try:
+        os.write(fd, nan_line(1).encode())
+        live.step()
+        shutil.copyfile(log, d / "rank0.log.1")
+        os.truncate(log, 0)
+        if sparse:
+            os.lseek(fd, hole, os.SEEK_SET)
+        else:  # zeros really written (a preallocating writer): skipped a chunk at a time
+            os.pwrite(fd, bytes(hole), 0)
+            os.lseek(fd, hole, os.SEEK_SET)
+        os.write(fd, (nan_line(2) + nan_line(3)).encode())
+        tracemalloc.start()
+        try:
+            live.step()
+            live.step()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
+        assert peak < 24 << 20  # read piece by piece, never the whole hole at once
+        with (log).open("a") as f:
+            f.write(nan_line(4))
+        live.step()
+        assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3, 4]
+    finally:
+        os.close(fd)
+        live.close()
+
+
 def test_undecodable_bytes_and_crlf(tmp_path: Path, db: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()
@@ -473,3 +518,109 @@ def test_a_rename_noticed_by_a_pass_without_a_walk_is_followed_not_retired(
         assert sorted(i for _, i in nan_iters(db)) == [1, 2, 3]
     finally:
         live.close()
+
+
+@contextmanager
+def following(
+    db: Path, paths: list[str], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Pipeline]:
+    """The `watch` loop in a thread; the safety rescan is pushed out of reach, so what
+    arrives came through the watcher (or the poll interval), never the periodic walk."""
+    import threading
+
+    from nanwatch import pipeline as pipeline_mod
+    from nanwatch.config import SourcesConfig
+
+    monkeypatch.setattr(pipeline_mod, "SAFETY_POLL", 3600.0)
+    config = Config(sources=SourcesConfig(mode=mode, poll_interval=0.2))
+    store = Store.open(db)
+    pipe = Pipeline(config, store, paths, live=True)
+    stop = threading.Event()
+    ready = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipe.watch(stop, on_ready=ready.set)
+        except BaseException as e:  # surfaced by the test, not lost in the thread
+            failed.append(e)
+            ready.set()
+
+    t = threading.Thread(target=run, name="watch-loop")
+    t.start()
+    try:
+        assert ready.wait(30) and not failed, failed
+        assert pipe.mode == mode
+        yield pipe
+    finally:
+        stop.set()
+        pipe.request_stop()
+        t.join(30)
+        store.close()
+    assert not failed, failed
+
+
+def read_iters(db: Path) -> list[int]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return [r[0] for r in conn.execute("SELECT iter FROM events WHERE kind='nan' ORDER BY id")]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mode", ["inotify", "poll"])
+@pytest.mark.parametrize("kind", ["dir", "file", "glob", "existing dir"])
+def test_a_path_that_appears_after_start_is_followed_and_again_when_recreated(
+    tmp_path: Path, db: Path, mode: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .conftest import wait_for
+
+    job = tmp_path / "job"  # not even the parent exists when watching starts
+    logs = job / "work_dirs" / "20261130_101500"
+    if kind == "existing dir":
+        (job / "work_dirs").mkdir(parents=True)
+    spec = {
+        "existing dir": str(job / "work_dirs"),
+        "dir": str(job / "work_dirs"),
+        "file": str(logs / "rank0.log"),
+        "glob": str(job / "work_*" / "*" / "rank*.log"),
+    }[kind]
+    with following(db, [spec], mode, monkeypatch):
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "rank0.log").write_text(nan_line(1))
+        wait_for(lambda: read_iters(db) == [1], timeout=10, what="the first line")
+        with (logs / "rank0.log").open("a") as f:
+            f.write(nan_line(2))
+        wait_for(lambda: read_iters(db) == [1, 2], timeout=10, what="an appended line")
+        shutil.rmtree(job)
+        logs.mkdir(parents=True)
+        (logs / "rank0.log").write_text(nan_line(3))
+        wait_for(lambda: read_iters(db) == [1, 2, 3], timeout=10, what="the re-created file")
+
+
+def test_lines_appended_to_a_symlinks_target_elsewhere_arrive_without_a_rescan(
+    tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .conftest import wait_for
+
+    logs, elsewhere = tmp_path / "logs", tmp_path / "scratch" / "job42"
+    logs.mkdir()
+    elsewhere.mkdir(parents=True)
+    target = elsewhere / "stdout.txt"
+    target.write_text(nan_line(1))
+    (logs / "rank0.log").symlink_to(target)
+    with following(db, [str(logs)], "inotify", monkeypatch):
+        wait_for(lambda: read_iters(db) == [1], timeout=10, what="the first line")
+        with target.open("a") as f:
+            f.write(nan_line(2))
+        wait_for(lambda: read_iters(db) == [1, 2], timeout=10, what="a line through the link")
+        # the link pointed elsewhere: the new target is the one followed
+        other = elsewhere / "stdout-2.txt"
+        other.write_text(nan_line(3))
+        tmp_link = logs / ".rank0.log.tmp"
+        tmp_link.symlink_to(other)
+        os.rename(tmp_link, logs / "rank0.log")
+        wait_for(lambda: read_iters(db) == [1, 2, 3], timeout=10, what="the new target")
+        with other.open("a") as f:
+            f.write(nan_line(4))
+        wait_for(lambda: read_iters(db) == [1, 2, 3, 4], timeout=10, what="the new target's line")

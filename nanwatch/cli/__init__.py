@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "show": ("browse", "show", "Tell one incident's story: root cause, timeline, hints."),
     "events": ("browse", "events", "List detected events, oldest first."),
     "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
+    "ack": ("triage", "ack", "Acknowledge an incident: who is on it, since when."),
+    "resolve": ("triage", "resolve", "Resolve an incident by hand, with a note."),
     "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),
     "check-dataset": (
         "dataset",
@@ -71,7 +73,9 @@ def cli() -> None:
       nanwatch incidents                       # what went wrong
       nanwatch show 3                          # root cause, timeline, known causes
 
-    The database is --db, else $NANWATCH_DB, else ~/.local/state/nanwatch/nanwatch.db.
+    Read commands open --db, else the `db` of --config/$NANWATCH_CONFIG, else $NANWATCH_DB,
+    else the `db` of the service's /etc/nanwatch/nanwatch.toml, else
+    ~/.local/state/nanwatch/nanwatch.db (and say on stderr which one when it is not yours).
     """
 
 

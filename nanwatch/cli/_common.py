@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +14,10 @@ from typing import Any, TypeVar
 
 import click
 
-from ..config import Config, load_config
-from ..errors import NanwatchError
+from ..config import Config, default_db_path, load_config
+from ..errors import ConfigError, NanwatchError, StoreError
 from ..store import Store
+from ..store.db import damaged, is_damage
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,6 +66,12 @@ def handle_errors(f: F) -> F:
         except NanwatchError as e:
             click.echo(f"nanwatch: error: {e}", err=True)
             sys.exit(EXIT_ERROR)
+        except sqlite3.DatabaseError as e:
+            # a query met a damaged page the bounded check at open did not reach
+            if not is_damage(e):
+                raise
+            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
+            sys.exit(EXIT_ERROR)
         except BrokenPipeError:
             # e.g. `nanwatch events | head`
             sys.stderr.close()
@@ -91,10 +99,83 @@ def resolve(config_path: Path | None, db: Path | None) -> tuple[Config, Path]:
     return config, (db if db is not None else config.db_path())
 
 
-def open_reader(config_path: Path | None, db: Path | None) -> Store:
-    _, path = resolve(config_path, db)
-    return Store.open(path, readonly=True)
+# The service's config (systemd/nanwatch.service passes it to `watch`); a module constant so
+# tests can point it elsewhere.
+SYSTEM_CONFIG = Path("/etc/nanwatch/nanwatch.toml")
+
+
+def find_db(config_path: Path | None, db: Path | None) -> tuple[Config, Path, str | None]:
+    """The database read commands use, the way the service finds it, and where that came from
+    (None for --db and the per-user default): --db; the `db` of --config/$NANWATCH_CONFIG;
+    $NANWATCH_DB; the `db` of the service's config (SYSTEM_CONFIG); the per-user state path."""
+    config = load_config(config_path)
+    if db is not None:
+        return config, db, None
+    if config.db is not None:
+        return config, config.db, f"the `db` of {config_path}"
+    if os.environ.get("NANWATCH_DB"):
+        return config, default_db_path(), "$NANWATCH_DB"
+    if config_path is None and SYSTEM_CONFIG.exists():
+        try:
+            system = load_config(SYSTEM_CONFIG)
+        except ConfigError as e:
+            if not os.access(SYSTEM_CONFIG, os.R_OK):
+                # a config only the service may read: say so, and read the per-user database
+                click.echo(
+                    f"nanwatch: note: cannot read {SYSTEM_CONFIG} (the service's config); "
+                    "pass --db FILE to read the service's database",
+                    err=True,
+                )
+                return config, default_db_path(), None
+            raise e
+        if system.db is not None:
+            return system, system.db, f"the `db` of {SYSTEM_CONFIG}"
+        return system, default_db_path(), None
+    return config, default_db_path(), None
+
+
+def open_reader(config_path: Path | None, db: Path | None, *, quiet: bool = False) -> Store:
+    """Open the database for reading; name it on stderr (unless ``quiet``: --json) when it is
+    not the one the user named or the per-user default."""
+    _, path, origin = find_db(config_path, db)
+    if origin is not None and not quiet:
+        click.echo(f"nanwatch: database {path} ({origin})", err=True)
+    try:
+        return Store.open(path, readonly=True)
+    except StoreError as e:
+        if db is None and origin is None and not path.exists():
+            raise StoreError(
+                f"{path}: no database here yet, and no service config at {SYSTEM_CONFIG} names "
+                "one; run `nanwatch scan PATH` first, or pass --db FILE or --config FILE "
+                "(the service's config)"
+            ) from None
+        raise e
 
 
 def emit_json(value: Any) -> None:
     click.echo(json.dumps(value, separators=(",", ":"), default=str, ensure_ascii=False))
+
+
+def out_width() -> int | None:
+    """How wide stdout's lines may be: $COLUMNS, else the terminal's, else (piped) no limit."""
+    cols = os.environ.get("COLUMNS", "")
+    if cols.strip().isdigit() and int(cols) > 0:
+        return int(cols)
+    stream = sys.stdout
+    try:
+        if stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns or None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def out_color() -> bool:
+    """Colour on a terminal, never when piped, never with $NO_COLOR (no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    stream = sys.stdout
+    try:
+        return bool(stream.isatty())
+    except (ValueError, AttributeError):
+        return False

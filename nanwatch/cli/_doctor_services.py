@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import sqlite3
-import stat
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ SLACK_API = "https://slack.com/api/"
 
 
 def check_database(db: Path, config: Any) -> list[Finding]:
-    from ..store.db import SCHEMA_VERSION
+    from ..store.db import SCHEMA_VERSION, recovery_steps
 
     if not db.exists():
         folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
@@ -55,8 +54,7 @@ def check_database(db: Path, config: Any) -> list[Finding]:
                 "database",
                 "fail",
                 f"{db}: damaged ({check})",
-                f"stop nanwatch; mv {db} {db}.bad; then start afresh, or salvage it: "
-                f"sqlite3 {db}.bad .recover | sqlite3 {db}",
+                recovery_steps(db),
             )
         ]
     size = db.stat().st_size + (
@@ -142,40 +140,32 @@ def _http(
 
 
 def check_slack(config: Any) -> list[Finding]:
-    from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, read_secret
     from ..errors import ConfigError
+    from ..notify.slack_api import slack_settings
 
     sc = config.slack
     if not sc.enabled:
         return [Finding("slack", "skip", "no [slack] section: nothing to check")]
     base = (sc.base_url or SLACK_API).rstrip("/") + "/"
-    out = []
-    if sc.token_file and os.path.exists(sc.token_file):
-        mode = os.stat(sc.token_file).st_mode
-        if mode & stat.S_IROTH:
-            out.append(
-                Finding(
-                    "permissions",
-                    "fail",
-                    f"[slack] token_file {sc.token_file}: readable by every user",
-                    f"chmod 0640 {sc.token_file} (or pass it with LoadCredential=)",
-                )
-            )
+    out: list[Finding] = []
     try:
-        token = read_secret(
-            file=sc.token_file,
-            credential=SLACK_TOKEN_CREDENTIAL,
-            env="SLACK_BOT_TOKEN",
-            key="[slack] token_file",
-        )
-        hook = sc.webhook_url or read_secret(
-            file=sc.webhook_url_file,
-            credential=SLACK_WEBHOOK_CREDENTIAL,
-            env=None,
-            key="[slack] webhook_url_file",
-        )
+        # the very code `watch` runs, so doctor and the daemon never disagree about a secret
+        settings = slack_settings(config)
     except ConfigError as e:
-        return [*out, Finding("slack", "fail", str(e), "fix the file as the message says")]
+        if "no bot token" in str(e):
+            return [
+                Finding(
+                    "slack",
+                    "fail",
+                    "[slack] is configured but no bot token or webhook URL is available",
+                    "put the bot token in /etc/nanwatch/slack-token (the unit's LoadCredential=), "
+                    "or set [slack] token_file, or $SLACK_BOT_TOKEN",
+                )
+            ]
+        check = "permissions" if "chmod" in str(e) or "cannot read" in str(e) else "slack"
+        return [Finding(check, "fail", str(e), "fix the file as the message says")]
+    assert settings is not None
+    token, hook = settings.token, settings.webhook_url
     if token:
         req = urllib.request.Request(
             base + "auth.test",

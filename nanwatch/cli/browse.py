@@ -7,15 +7,33 @@ from pathlib import Path
 import click
 
 from ..errors import NanwatchError
-from ._common import config_option, db_option, emit_json, handle_errors, json_option, open_reader
+from ._common import (
+    config_option,
+    db_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    open_reader,
+    out_color,
+    out_width,
+)
+from ._filters import SINCE_HELP, UNTIL_HELP, check_kind, check_limit, match_runs, parse_when
+
+RUN_HELP = (
+    "Only this run: its name, a tail of it (20261130_101500 for dino/20261130_101500) "
+    "or a glob ('dino/*')."
+)
 
 
 @click.command()
 @config_option
 @db_option
 @click.option("--open", "open_only", is_flag=True, help="Only open incidents.")
-@click.option("--run", default=None, help="Only this run.")
+@click.option("--run", default=None, help=RUN_HELP)
 @click.option("--kind", default=None, help="Only this kind (nan, oom, comm_timeout, ...).")
+@click.option("--since", default=None, help=SINCE_HELP)
+@click.option("--until", default=None, help=UNTIL_HELP)
+@click.option("--limit", type=int, default=None, help="At most N incidents (the newest N).")
 @json_option
 @handle_errors
 def incidents(
@@ -24,21 +42,42 @@ def incidents(
     open_only: bool,
     run: str | None,
     kind: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int | None,
     as_json: bool,
 ) -> None:
     """List incidents, open and resolved, oldest first.
+
+    Lines fit the terminal ($COLUMNS, else its width; no limit when piped): the run shows
+    its distinguishing tail, times their short form, titles are cut (`show ID` has it all).
 
     \b
     Examples:
       nanwatch incidents
       nanwatch incidents --open --json
+      nanwatch incidents --kind nan --since 2h
+      nanwatch incidents --run 20261130_101500 --limit 5
+      nanwatch incidents --since 2026-11-30 --until 2026-12-01T06:00
     """
-    from ..query import list_incidents
-    from ..render import origin_text, ranks_text, table
+    from ..query import list_incidents, run_names
+    from ..tables import incidents_table
 
-    store = open_reader(config_path, db)
+    check_kind(kind)
+    check_limit(limit)
+    t0, t1 = parse_when(since, "--since"), parse_when(until, "--until")
+    store = open_reader(config_path, db, quiet=as_json)
     try:
-        rows = list_incidents(store.conn, open_only=open_only, run=run, kind=kind)
+        runs = match_runs(run, run_names(store.conn))
+        rows = list_incidents(
+            store.conn,
+            open_only=open_only,
+            runs=runs,
+            kind=kind,
+            since=t0,
+            until=t1,
+            limit=limit,
+        )
     finally:
         store.close()
     if as_json:
@@ -46,28 +85,13 @@ def incidents(
             emit_json(inc)
         return
     if not rows:
-        click.echo("No incidents.")
+        click.echo("No incidents." + _filtered(open_only, run, kind, since, until))
         return
-    click.echo(
-        table(
-            [
-                (
-                    i["id"],
-                    i["status"],
-                    i["kind"],
-                    i["run"],
-                    ranks_text(i["ranks"]),
-                    i["event_count"],
-                    i["first_time"] or "-",
-                    origin_text(i["origin"]),
-                    i["title"],
-                )
-                for i in rows
-            ],
-            ["ID", "STATUS", "KIND", "RUN", "RANKS", "EVENTS", "FIRST", "ORIGIN", "TITLE"],
-            max_width=60,
-        )
-    )
+    click.echo(incidents_table(rows, width=out_width(), color=out_color()))
+
+
+def _filtered(open_only: bool, *given: str | None) -> str:
+    return " (with these filters; drop them to see all)" if open_only or any(given) else ""
 
 
 @click.command()
@@ -97,7 +121,7 @@ def show(
     from ..query import show_incident
     from ..render import render_story
 
-    store = open_reader(config_path, db)
+    store = open_reader(config_path, db, quiet=as_json)
     try:
         inc = show_incident(store.conn, incident_id, max_events=None if as_json else max_events)
     finally:
@@ -107,15 +131,17 @@ def show(
     if as_json:
         emit_json(inc)
     else:
-        click.echo(render_story(inc, color=False, max_events=max_events))
+        click.echo(render_story(inc, color=out_color(), max_events=max_events))
 
 
 @click.command()
 @config_option
 @db_option
-@click.option("--kind", default=None, help="Only this kind.")
-@click.option("--run", default=None, help="Only this run.")
+@click.option("--kind", default=None, help="Only this kind (nan, oom, comm_timeout, ...).")
+@click.option("--run", default=None, help=RUN_HELP)
 @click.option("--incident", type=int, default=None, help="Only events of this incident.")
+@click.option("--since", default=None, help=SINCE_HELP)
+@click.option("--until", default=None, help=UNTIL_HELP)
 @click.option("--limit", type=int, default=None, help="At most N events (the newest N).")
 @json_option
 @handle_errors
@@ -125,6 +151,8 @@ def events(
     kind: str | None,
     run: str | None,
     incident: int | None,
+    since: str | None,
+    until: str | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
@@ -134,46 +162,38 @@ def events(
     Examples:
       nanwatch events --kind nan
       nanwatch events --run dino/20261130_101500 --json --limit 100
+      nanwatch events --run 20261130_101500 --since 30m
     """
-    from ..query import iter_events
-    from ..render import table
+    from ..query import iter_events, run_names
+    from ..tables import events_table
 
-    store = open_reader(config_path, db)
+    check_kind(kind)
+    check_limit(limit)
+    t0, t1 = parse_when(since, "--since"), parse_when(until, "--until")
+    store = open_reader(config_path, db, quiet=as_json)
     try:
+        runs = match_runs(run, run_names(store.conn))
         it = iter_events(
-            store.conn, kind=kind, run=run, incident=incident, limit=limit, newest=limit is not None
+            store.conn,
+            kind=kind,
+            runs=runs,
+            incident=incident,
+            since=t0,
+            until=t1,
+            limit=limit,
+            newest=limit is not None,
         )
         if as_json:
             for e in it:
                 emit_json(e)
             return
-        rows = [
-            (
-                e["id"],
-                e["time"] or "-",
-                e["kind"],
-                e["run"],
-                "-" if e["rank"] is None else e["rank"],
-                e["stage"] or "-",
-                "-" if e["epoch"] is None else e["epoch"],
-                "-" if e["iter"] is None else e["iter"],
-                "-" if e["step"] is None else e["step"],
-                e["message"],
-            )
-            for e in it
-        ]
+        rows = list(it)
     finally:
         store.close()
     if not rows:
-        click.echo("No events.")
+        click.echo("No events." + _filtered(False, kind, run, since, until, str(incident or "")))
         return
-    click.echo(
-        table(
-            rows,
-            ["ID", "TIME", "KIND", "RUN", "RANK", "STAGE", "EPOCH", "ITER", "STEP", "MESSAGE"],
-            max_width=70,
-        )
-    )
+    click.echo(events_table(rows, width=out_width(), color=out_color()))
 
 
 @click.command()
@@ -182,7 +202,11 @@ def events(
 @json_option
 @handle_errors
 def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
-    """List runs: one per training launch, with their experiment and facts.
+    """List runs: one per training launch, with their start, end, status and facts.
+
+    STATUS is `failing` while the run has an open incident, `resolved` when all of its
+    incidents are resolved, `ok` without any. START and END are its first and last logged
+    times.
 
     \b
     Examples:
@@ -190,9 +214,9 @@ def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
       nanwatch runs --json | jq .facts
     """
     from ..query import list_runs
-    from ..render import table
+    from ..tables import runs_table
 
-    store = open_reader(config_path, db)
+    store = open_reader(config_path, db, quiet=as_json)
     try:
         rows = list_runs(store.conn)
     finally:
@@ -204,20 +228,4 @@ def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
     if not rows:
         click.echo("No runs.")
         return
-    click.echo(
-        table(
-            [
-                (
-                    r["id"],
-                    r["name"],
-                    r["experiment"] or "-",
-                    r["sources"],
-                    r["events"],
-                    r["incidents"],
-                    r["path"],
-                )
-                for r in rows
-            ],
-            ["ID", "RUN", "EXPERIMENT", "FILES", "EVENTS", "INCIDENTS", "PATH"],
-        )
-    )
+    click.echo(runs_table(rows, width=out_width()))

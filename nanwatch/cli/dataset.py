@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from ._common import emit_json, handle_errors, json_option
+from ._progress import Progress
 
 
 @click.command("check-dataset")
@@ -47,13 +47,17 @@ def check_dataset(classes: str | None, limit: int, as_json: bool, annotations: P
 
     names = [c.strip() for c in classes.split(",") if c.strip()] if classes else None
     size = annotations.stat().st_size if annotations.exists() else 0
-    if sys.stderr.isatty() and size > 8 << 20:
-        with click.progressbar(
-            length=size, label=f"Reading {annotations.name}", file=sys.stderr
-        ) as bar:
-            report = check(annotations, names, progress=bar.update)
-    else:
-        report = check(annotations, names)
+    bar = Progress(size, f"Reading {annotations.name}", enabled=not as_json, unit="file")
+    read = [0]
+
+    def progress(n: int) -> None:
+        read[0] += n
+        bar.update(read[0], 1)
+
+    try:
+        report = check(annotations, names, progress=progress)
+    finally:
+        bar.close()
     if as_json:
         emit_json(report.as_json())
         return

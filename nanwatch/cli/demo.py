@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import random
-import sqlite3
+import shlex
+import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import click
 
-from ._common import handle_errors, setup_logging
+from ._common import handle_errors, out_color, out_width, setup_logging
 
 
 @click.command()
@@ -21,7 +24,7 @@ from ._common import handle_errors, setup_logging
     type=float,
     default=30.0,
     show_default=True,
-    help="How much faster than real time the runs are replayed.",
+    help="How much faster than real time the runs are replayed (0: without pauses).",
 )
 @click.option(
     "--dir",
@@ -33,8 +36,8 @@ from ._common import handle_errors, setup_logging
 @click.option("-v", "--verbose", count=True, help="Show the daemon's log lines too.")
 @handle_errors
 def demo(speed: float, directory: Path | None, verbose: int) -> None:
-    """Replay the case nanwatch exists for, while `watch` follows it on a fresh database in a
-    temporary folder (never your own database):
+    """Replay the case nanwatch exists for into a fresh database in a temporary folder (never
+    your own database), detecting and printing as it goes:
 
     \b
     1. run A: an 8-rank DINO training on NPUs; rank 3 runs out of memory in validation and
@@ -44,78 +47,95 @@ def demo(speed: float, directory: Path | None, verbose: int) -> None:
     3. the annotation file is checked for images that reach the model with empty labels.
 
     Incidents are printed as they are detected; at the end `nanwatch incidents` is shown,
-    with the commands to explore the database further. Long waits are compressed.
+    with the commands to explore the database further. Long waits are compressed. The replay
+    reads and correlates at fixed points, so it tells the same story every time.
 
     \b
     Example:
       nanwatch demo
+      nanwatch demo --speed 300 --dir /tmp/nanwatch-demo
     """
     setup_logging(verbose, quiet_default=True)
+    base = directory or Path(tempfile.mkdtemp(prefix="nanwatch-demo-"))
+    pause: Callable[[float], None] | None = None
+    if speed > 0:
+        pause = lambda seconds: time.sleep(min(seconds / speed, MAX_PAUSE))  # noqa: E731
+    replay(base, sys.stdout, pause=pause, width=out_width(), color=out_color())
+
+
+MAX_PAUSE = 1.0  # real seconds a quiet stretch (the 1800 s before a timeout) lasts at most
+
+
+def replay(
+    base: Path,
+    out: TextIO,
+    *,
+    pause: Callable[[float], None] | None = None,
+    width: int | None = None,
+    color: bool = False,
+) -> Path:
+    """The demo: write both runs under ``base`` in a fixed order, read and correlate them at
+    fixed points (:meth:`TrainingRun.feed`), print what the console sink prints, then the
+    incidents table and the dataset check. ``pause(simulated seconds)`` paces it; returns
+    the database's path."""
     from ..config import Config
     from ..dataset import check
+    from ..events import format_utc
     from ..notify.console import ConsoleSink
+    from ..notify.outbox import Sender
     from ..pipeline import Pipeline
     from ..query import list_incidents
-    from ..render import origin_text, ranks_text, table
-    from ..simulate import demo_scenario
+    from ..simulate import TrainingRun, demo_scenario
     from ..store import Store
+    from ..tables import incidents_table
 
-    base = directory or Path(tempfile.mkdtemp(prefix="nanwatch-demo-"))
     base.mkdir(parents=True, exist_ok=True)
     db_path = base / "nanwatch.db"
     run_a, run_b = demo_scenario(base)
     run_a.work_dir.mkdir(parents=True, exist_ok=True)
-    say = click.echo
+
+    def say(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
     say(f"nanwatch demo: database {db_path}")
     say(f"nanwatch demo: watching {run_a.work_dir}")
-
     store = Store.open(db_path)
-    stop = threading.Event()
-    ready = threading.Event()
-    pipe = Pipeline(Config(), store, [str(run_a.work_dir)], live=True, sinks=[ConsoleSink()])
-    watcher = threading.Thread(
-        target=pipe.watch, args=(stop,), kwargs={"on_ready": ready.set}, name="nanwatch-watch"
-    )
-    watcher.start()
-    try:
-        ready.wait(30)
-        say(f"\n==> Run A ({run_a.timestamp}): 8 ranks train; validation starts after epoch 2")
-        run_a.replay(speed=speed, max_pause=1.0)
-        _settle(db_path, sum(1 for _ in run_a.lines()))
-        say(f"\n==> Run B ({run_b.timestamp}): relaunched with validation off")
-        run_b.replay(speed=speed, max_pause=1.0)
-        _settle(db_path, sum(1 for _ in run_a.lines()) + sum(1 for _ in run_b.lines()))
-    finally:
-        pipe.request_stop()
-        watcher.join(30)
-        store.close()
-
+    sink = ConsoleSink(out, color=color)
+    # a scan-like pipeline (no watcher thread, no waits that depend on the clock) stepped by
+    # the replay itself: the same bytes are read and correlated at the same points every time
+    pipe = Pipeline(Config(), store, [str(run_a.work_dir)], live=False, sinks=[sink])
+    sender = Sender(str(store.path), [sink])
     reader = Store.open(db_path, readonly=True)
+
+    last = [0.0]
+
+    def stepper(run: TrainingRun) -> Callable[[float], None]:
+        def at_point(t: float) -> None:
+            if pause is not None:
+                pause(max(0.0, t - last[0]))
+            last[0] = t
+            # lines read now count as read at the replay's simulated time, not the clock's
+            pipe.now_utc = lambda: format_utc((run.start + _dt.timedelta(seconds=t)).timestamp())
+            pipe.step()
+            sender.deliver_due(reader)
+            pipe._record(sender.drain_results())
+
+        return at_point
+
     try:
+        say(f"\n==> Run A ({run_a.timestamp}): 8 ranks train; validation starts after epoch 2")
+        run_a.feed(stepper(run_a))
+        last[0] = 0.0
+        say(f"\n==> Run B ({run_b.timestamp}): relaunched with validation off")
+        run_b.feed(stepper(run_b))
+        pipe.tracker.close()
         incidents = list_incidents(reader.conn)
     finally:
         reader.close()
+        store.close()
     say("\n$ nanwatch incidents")
-    if incidents:
-        say(
-            table(
-                [
-                    (
-                        i["id"],
-                        i["status"],
-                        i["kind"],
-                        i["run"].rsplit("/", 1)[-1],
-                        ranks_text(i["ranks"]),
-                        i["event_count"],
-                        origin_text(i["origin"]),
-                    )
-                    for i in incidents
-                ],
-                ["ID", "STATUS", "KIND", "RUN", "RANKS", "EVENTS", "ORIGIN"],
-            )
-        )
-    else:
-        say("No incidents.")
+    say(incidents_table(incidents, width=width, color=color) if incidents else "No incidents.")
 
     annotations = base / "data" / "annotations" / "instances_train.json"
     empty = _annotations(annotations)
@@ -132,33 +152,12 @@ def demo(speed: float, directory: Path | None, verbose: int) -> None:
             f"  category {c['category_id']} ({c['name']}): {c['annotations']} annotations "
             "outside the classes"
         )
+    db_arg = shlex.quote(str(db_path))
     say(
-        f"\nExplore it:\n  nanwatch incidents --json --db {db_path}\n"
-        f"  nanwatch show 1 --db {db_path}\n  nanwatch events --kind nan --db {db_path}"
+        f"\nExplore it:\n  nanwatch incidents --json --db {db_arg}\n"
+        f"  nanwatch show 1 --db {db_arg}\n  nanwatch events --kind nan --db {db_arg}"
     )
-
-
-def _settle(db_path: Path, expected_lines: int, timeout: float = 15.0) -> None:
-    """Wait until the daemon has committed the lines written so far (and printed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _committed_lines(db_path) >= expected_lines:
-            break
-        time.sleep(0.1)
-    time.sleep(0.5)
-
-
-def _committed_lines(db_path: Path) -> int:
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    try:
-        total = 0
-        for (ctx,) in conn.execute("SELECT ctx FROM sources WHERE status = 'active'"):
-            total += int(json.loads(ctx or "{}").get("line_no", 0))
-        return total
-    except sqlite3.Error:
-        return 0
-    finally:
-        conn.close()
+    return db_path
 
 
 def _annotations(path: Path) -> int:

@@ -8,9 +8,10 @@ name, the Alertmanagers it reports to).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,9 @@ def as_root_note() -> str:
 # --- config -------------------------------------------------------------------------------------
 
 
-def check_config(config_path: Path | None) -> tuple[Any, list[Finding]]:
+def check_config(
+    config_path: Path | None, paths: tuple[str, ...] = ()
+) -> tuple[Any, list[Finding]]:
     from ..config import Config, load_config
     from ..daemon import preflight
     from ..errors import NanwatchError
@@ -67,7 +70,10 @@ def check_config(config_path: Path | None) -> tuple[Any, list[Finding]]:
     try:
         config = load_config(config_path)
     except NanwatchError as e:
-        return None, [*out, Finding("config", "fail", str(e), "edit the file as the message says")]
+        return None, [*out, Finding("config", "fail", str(e), config_fix(config_path, str(e)))]
+    if paths:
+        # what `nanwatch watch PATH...` would follow, instead of [sources] paths
+        config = replace(config, sources=replace(config.sources, paths=tuple(paths)))
     try:
         plan = preflight(config, (), lambda c: _sinks(c, console=False))
     except NanwatchError as e:
@@ -96,22 +102,61 @@ def check_config(config_path: Path | None) -> tuple[Any, list[Finding]]:
 
 def _fix_of(message: str) -> str:
     if "nothing to watch" in message:
-        return "list the training log folders in [sources] paths"
-    return "edit the config as the message says"
+        return (
+            "list the training log folders in [sources] paths, or check them here with "
+            "`nanwatch doctor PATH...`"
+        )
+    return config_fix(None, message)
+
+
+# what ConfigError messages name (nanwatch/config.py), most specific first
+_WHAT = (
+    (re.compile(r"unknown key '(\w+)' in \[(\w+)\]"), "rename or remove {0} in [{1}] of {w}"),
+    (re.compile(r"unknown section \[(\w+)\]"), "rename or remove the section [{0}] in {w}"),
+    (
+        re.compile(r"unknown top-level key '(\w+)'"),
+        "rename or remove the key {0} at the top of {w}",
+    ),
+    (re.compile(r"\[(\w+)\] (\w+)"), "correct the value of {1} in [{0}] of {w}"),
+    (re.compile(r"^[^:]+: (\w+): "), "correct the value of {0} at the top of {w}"),
+)
+
+
+def config_fix(config_path: Path | None, message: str) -> str:
+    """Say which file and which key to edit, and how to check the result."""
+    where = str(config_path) if config_path else "the config file"
+    if "config file not found" in message:
+        return (
+            f"create {where} (systemd/nanwatch.toml is an example) or pass an existing file "
+            "to --config"
+        )
+    if "not valid TOML" in message:
+        return f"fix the TOML syntax of {where} at the line and column the message gives"
+    what = f"edit {where} where the message points"
+    for pattern, text in _WHAT:
+        m = pattern.search(message)
+        if m:
+            what = text.format(*m.groups(), w=where)
+            break
+    return f"{what}, then run `nanwatch doctor --config {where}` again"
 
 
 # --- the command ---------------------------------------------------------------------------------
 
 
-def run_checks(config_path: Path | None, db: Path | None) -> Iterator[Finding]:
+def run_checks(
+    config_path: Path | None, db: Path | None, paths: tuple[str, ...] = ()
+) -> Iterator[Finding]:
     from ._doctor_cluster import check_alertmanager, check_cluster
     from ._doctor_node import check_filesystems, check_inotify, check_sources
     from ._doctor_services import check_database, check_metrics, check_slack
 
-    config, found = check_config(config_path)
+    config, found = check_config(config_path, paths)
     yield from found
     if config is None:
         return
+    if paths:
+        config = replace(config, sources=replace(config.sources, paths=tuple(paths)))
     src, dirs, instances, roots = check_sources(config)
     yield from src
     if roots:
@@ -137,8 +182,14 @@ def run_checks(config_path: Path | None, db: Path | None) -> Iterator[Finding]:
 @config_option
 @db_option
 @json_option
-def doctor(config_path: Path | None, db: Path | None, as_json: bool) -> None:
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str))
+def doctor(
+    config_path: Path | None, db: Path | None, as_json: bool, paths: tuple[str, ...]
+) -> None:
     """Check that this node can run the nanwatch service, and say how to fix what is wrong.
+
+    PATHs, when given, are checked as the sources instead of `[sources] paths` (what
+    `nanwatch watch PATH...` would follow).
 
     Checks the config (and everything `watch` would refuse at start), the source paths
     (exist, readable), inotify limits against the folders to watch (polling is used where
@@ -153,12 +204,13 @@ def doctor(config_path: Path | None, db: Path | None, as_json: bool) -> None:
       nanwatch doctor --config /etc/nanwatch/nanwatch.toml
       sudo -u nanwatch nanwatch doctor --config /etc/nanwatch/nanwatch.toml
       nanwatch doctor --json | jq 'select(.status != "ok")'
+      nanwatch doctor work_dirs/dino/ /data/logs/job42/
     """
     findings = []
     if not as_json:
         where = config_path or "no config"
         click.echo(f"nanwatch doctor: {where}, as user {current_user()}")
-    for f in run_checks(config_path, db):
+    for f in run_checks(config_path, db, paths):
         findings.append(f)
         if as_json:
             emit_json(asdict(f))

@@ -22,6 +22,7 @@ from ._common import (
     setup_logging,
     verbosity_option,
 )
+from ._progress import Progress, tree_size
 
 
 def _sinks(config: Any, *, console: bool) -> list[Any]:
@@ -37,7 +38,7 @@ def _sinks(config: Any, *, console: bool) -> list[Any]:
 
         settings = slack_settings(config)
         if settings is not None:
-            sinks.append(SlackSink(settings, config.alerts))
+            sinks.append(SlackSink(settings, config.alerts, config_path=config.path))
     if config.alertmanager.urls:
         from ..notify.alertmanager import AlertmanagerSink
         from ..sources.identity import this_node
@@ -165,7 +166,14 @@ def scan(
         started = time.monotonic()
         sinks = _sinks(config, console=False) if notify else []
         pipe = Pipeline(config, store, list(paths), run=run, live=False, sinks=sinks)
-        pipe.scan()
+        total, nfiles = tree_size(list(paths))
+        bar = Progress(total, "Scanning", enabled=not as_json)
+        pipe.on_progress = lambda: bar.update(pipe.stats.bytes, len(pipe.tracker.records))
+        try:
+            pipe.scan()
+            bar.update(total, nfiles)
+        finally:
+            bar.close()
         undelivered = pipe.deliver_all(deadline=notify_timeout) if notify else 0
         elapsed = time.monotonic() - started
         runs = pipe.run_ids()

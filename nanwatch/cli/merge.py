@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
 from ._common import config_option, emit_json, handle_errors, json_option, resolve
+from ._progress import Progress
 
 
 @click.command()
@@ -53,12 +55,18 @@ def merge(config_path: Path | None, as_json: bool, out: Path, nodes: tuple[Path,
     store = Store.open(out)
     try:
         reports = []
-        for path in nodes:
-            src = Store.open(path, readonly=True)
-            try:
-                reports.append(merge_database(store, src, path=str(path)))
-            finally:
-                src.close()
+        sizes = [p.stat().st_size for p in nodes]
+        bar = Progress(sum(sizes), "Merging", enabled=not as_json, unit="database(s)")
+        try:
+            for k, path in enumerate(nodes):
+                src = Store.open(path, readonly=True)
+                try:
+                    reports.append(merge_database(store, src, path=str(path)))
+                finally:
+                    src.close()
+                bar.update(sum(sizes[: k + 1]), k + 1)
+        finally:
+            bar.close()
         correlator = Correlator(
             store,
             timeouts=Timeouts(config.knowledge.hccl_exec_timeout, config.knowledge.nccl_timeout),
@@ -92,6 +100,6 @@ def merge(config_path: Path | None, as_json: bool, out: Path, nodes: tuple[Path,
         for inc in incidents:
             nodes_text = ",".join(inc["nodes"]) or "-"
             click.echo(f"  {render_incident_line(inc)} [nodes {nodes_text}]")
-        click.echo(f"See `nanwatch show ID --db {out}` for the story.")
+        click.echo(f"See `nanwatch show ID --db {shlex.quote(str(out))}` for the story.")
     else:
         click.echo(f"{out}: no incidents.")

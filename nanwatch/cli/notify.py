@@ -13,6 +13,7 @@ from ._common import (
     config_option,
     db_option,
     emit_json,
+    find_db,
     handle_errors,
     json_option,
     open_reader,
@@ -110,7 +111,9 @@ def silence(
         raise click.UsageError(str(e)) from None
     if seconds <= 0:
         raise click.UsageError("--for: must be longer than zero")
-    _, db_path = resolve(config_path, db)
+    _, db_path, origin = find_db(config_path, db)
+    if origin is not None and not as_json:
+        click.echo(f"nanwatch: database {db_path} ({origin})", err=True)
     store = Store.open(db_path, exclusive=False)  # works while `watch` runs
     try:
         if run is not None and store.run_by_name(run) is None:
@@ -147,7 +150,7 @@ def silences(config_path: Path | None, db: Path | None, show_all: bool, as_json:
     from ..notify.silences import list_silences
     from ..render import table
 
-    store = open_reader(config_path, db)
+    store = open_reader(config_path, db, quiet=as_json)
     try:
         rows = list_silences(store.conn, include_expired=show_all)
     finally:
@@ -193,8 +196,11 @@ def silences(config_path: Path | None, db: Path | None, show_all: bool, as_json:
 def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: int) -> None:
     """Draw loss, grad norm and step time per rank around an incident, its origin marked.
 
-    Needs matplotlib (pip install 'nanwatch[plot]'). Non-finite values are red crosses at the
-    top of their panel; the origin's step is a dashed red line.
+    Needs matplotlib (pip install 'nanwatch[plot]'). The origin rank is in colour, the other
+    ranks thin and grey; non-finite values are red crosses at the top of their panel; the
+    origin's step is a dashed red line. A slowdown is drawn beside its baseline run, with both
+    medians as lines; an out-of-memory incident gets a memory panel on a time axis, validation
+    shaded. Slack threads get the same picture.
 
     \b
     Examples:
@@ -219,4 +225,5 @@ def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: i
         output.write_bytes(png)
     except OSError as e:
         raise NanwatchError(f"{output}: cannot write the picture ({e.strerror})") from None
-    click.echo(f"Wrote {output} ({len(png)} bytes, {len({r['rank'] for r in rows})} rank(s)).")
+    ranks = {r["rank"] for r in rows if r["series"] == "current"}
+    click.echo(f"Wrote {output} ({len(png)} bytes, {len(ranks)} rank(s)).")

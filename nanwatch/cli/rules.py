@@ -8,34 +8,59 @@ from typing import Any
 
 import click
 
-from ._common import config_option, emit_json, handle_errors, json_option
+from ._common import EXIT_ERROR, config_option, emit_json, handle_errors, json_option
 
 
-def _load(config_path: Path | None) -> Any:
+def _load(config_path: Path | None, extra: tuple[Path, ...] = (), check: bool = True) -> Any:
     from ..config import load_config
     from ..detect import load_rules
 
     config = load_config(config_path)
-    return load_rules(config.detect.rule_dirs)
+    extra_dirs = {p.resolve() for p in extra}
+    site = [d for d in config.detect.rule_dirs if Path(d).resolve() not in extra_dirs]
+    return load_rules([*extra, *site], check=check)
 
 
 @click.command()
 @config_option
 @click.option("--pack", default=None, help="Only the rules of this pack.")
 @click.option("--kind", default=None, help="Only rules giving this event kind.")
+@click.option(
+    "--check",
+    "check_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="Run every example of the packs in DIR (and of the site and shipped packs); "
+    "exit 1 naming each example that fails. Repeatable.",
+)
 @json_option
 @handle_errors
-def rules(config_path: Path | None, pack: str | None, kind: str | None, as_json: bool) -> None:
+def rules(
+    config_path: Path | None,
+    pack: str | None,
+    kind: str | None,
+    check_dirs: tuple[Path, ...],
+    as_json: bool,
+) -> None:
     """List the detection rules: shipped packs and the site packs of `[detect] rule_dirs`.
 
-    A broken site pack is an error naming its file, the rule id and the reason.
+    A broken site pack is an error naming its file, the rule id and the reason; so is a site
+    rule whose own examples it does not match. `--check DIR` runs the examples of a pack
+    folder before it goes into `rule_dirs`: every example must give its event, state, metrics
+    or facts through the rule it belongs to (not through another rule that happens to match).
+    It also runs the shipped examples, so it shows a site rule that takes their lines.
 
     \b
     Examples:
       nanwatch rules
       nanwatch rules --kind comm_timeout
       nanwatch rules --json --config /etc/nanwatch/nanwatch.toml
+      nanwatch rules --check ./our-packs
     """
+    if check_dirs:
+        _check(config_path, check_dirs, as_json)
+        return
     rs = _load(config_path)
     rows = []
     for p in rs.prefixes:
@@ -45,7 +70,7 @@ def rules(config_path: Path | None, pack: str | None, kind: str | None, as_json:
                 "pack": p.pack,
                 "type": "prefix",
                 "kind": None,
-                "priority": None,
+                "tier": None,
                 "literals": [],
                 "pattern": p.pattern,
                 "examples": len(p.examples),
@@ -59,7 +84,7 @@ def rules(config_path: Path | None, pack: str | None, kind: str | None, as_json:
                 "pack": r.pack,
                 "type": "hint" if r.hint else r.type,
                 "kind": r.kind,
-                "priority": r.priority,
+                "tier": r.tier if r.type == "event" else None,
                 "literals": list(r.literals),
                 "pattern": r.pattern,
                 "chunk": r.chunk,
@@ -86,15 +111,34 @@ def rules(config_path: Path | None, pack: str | None, kind: str | None, as_json:
                     r["id"],
                     r["type"] + (" (chunk)" if r.get("chunk") else ""),
                     r["kind"] or "",
-                    "" if r["priority"] is None else r["priority"],
+                    r["tier"] or "",
                     r["examples"],
                 )
                 for r in rows
             ],
-            ["rule", "type", "kind", "priority", "examples"],
+            ["rule", "type", "kind", "tier", "examples"],
         )
     )
     click.echo(f"\n{len(rows)} rules from {len(rs.packs)} packs")
+
+
+def _check(config_path: Path | None, dirs: tuple[Path, ...], as_json: bool) -> None:
+    from ..detect.examples import check_examples
+
+    rs = _load(config_path, dirs, check=False)
+    failures = check_examples(rs)
+    total = sum(len(x.examples) for x in [*rs.prefixes, *rs.rules])
+    for f in failures:
+        if as_json:
+            emit_json(
+                {"file": str(f.source), "rule": f.rule, "example": f.index, "problem": f.problem}
+            )
+        else:
+            click.echo(str(f), err=True)
+    if not as_json:
+        click.echo(f"{total - len(failures)} of {total} examples pass ({len(rs.packs)} packs)")
+    if failures:
+        sys.exit(EXIT_ERROR)
 
 
 @click.command()

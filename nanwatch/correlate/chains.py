@@ -5,6 +5,14 @@ it times out: HCCL after ``HCCL_EXEC_TIMEOUT`` (1800 s by default), NCCL after t
 group's timeout (10 or 30 minutes, printed as ``Timeout(ms)=``). Those timeouts are symptoms.
 A symptom joins a root when it names the root's rank (EI0002 ``remote rank [3]``), or when it
 happened within one collective timeout (plus a margin) after the root.
+
+Cause and effect go both ways, by evidence rather than by a ranking of kinds. A collective
+watchdog that times out takes its own process down (PyTorch's NCCL watchdog: "To avoid data
+inconsistency, we are taking the entire process down", an abort, SIGABRT); the launcher then
+reports that rank's exit. Such an exit is an effect of the timeout on its own rank
+(:func:`torn_down`), and follows that timeout into whatever incident the timeout belongs to (its
+own, or the OOM on another rank it waited for). An exit from outside the process (SIGKILL from
+the host's OOM killer, a segfault) stays a root.
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ ROOT_KINDS = ("oom", "process_failure")  # in priority order: an OOM absorbs its
 SYMPTOM_KINDS = ("comm_timeout", "comm_error")
 DEFAULT_TIMEOUT = {"hccl": 1800.0, "nccl": 1800.0, "gloo": 1800.0}
 MARGIN_BEFORE = 300.0  # clocks of different nodes and log buffering
+# from a watchdog's timeout to the launcher's report of the abort: the abort is immediate, but
+# the heartbeat monitor may first dump debug info and the launcher polls its children
+TEARDOWN_AFTER = 900.0
+_ABORT_CODES = (-6, 134)  # killed by SIGABRT; 128 + 6 as a shell reports it
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,73 @@ def event_time(ev: Mapping[str, Any]) -> float | None:
         return None
 
 
+def exception_exit(ev: Mapping[str, Any]) -> bool:
+    """A process failure that is an ordinary non-zero exit (an exception), not a signal."""
+    if ev["kind"] != "process_failure":
+        return False
+    f = ev.get("fields") or {}
+    code = f.get("exit_code")
+    return isinstance(code, int) and code > 0 and not f.get("signal") and not f.get("reason")
+
+
+def _aborted(f: Mapping[str, Any]) -> bool:
+    code = f.get("exit_code")
+    return (
+        f.get("signal") == "SIGABRT"
+        or (isinstance(code, int) and code in _ABORT_CODES)
+        or str(f.get("reason") or "").lower() == "aborted"
+    )
+
+
+def may_be_torn_down(ev: Mapping[str, Any]) -> bool:
+    """A process failure that a communication failure of its own process can explain: an
+    exception, an abort (what a watchdog does), or a report that does not say how it ended
+    (``ChildFailedError``). Signals from outside (SIGKILL, SIGTERM) and crashes cannot."""
+    if ev["kind"] != "process_failure" or ev.get("device"):
+        return False  # a kernel that faulted on the device is a crash of its own
+    f = ev.get("fields") or {}
+    if exception_exit(ev) or _aborted(f):
+        return True
+    return f.get("exit_code") is None and not f.get("signal") and not f.get("reason")
+
+
+def same_process(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Could two events come from one process (same rank, else same local rank on one node)?
+    An event that names no rank may be any of them."""
+    ra, rb = a.get("rank"), b.get("rank")
+    if ra is not None and rb is not None:
+        return bool(ra == rb)
+    la = ra if ra is not None else a.get("local_rank")
+    lb = rb if rb is not None else b.get("local_rank")
+    if la is None or lb is None:
+        return True
+    na, nb = a.get("node"), b.get("node")
+    return bool(la == lb and (not na or not nb or na == nb))
+
+
+def torn_down(effect: Mapping[str, Any], cause: Mapping[str, Any]) -> bool:
+    """Did communication failure ``cause`` take the process of ``effect`` (a process
+    failure) down? Same process, the exit at or shortly after the failure; when a time is
+    missing, the same process is the evidence."""
+    if cause["kind"] not in SYMPTOM_KINDS or not may_be_torn_down(effect):
+        return False
+    if not same_process(effect, cause):
+        return False
+    e_lo, e_hi = _bounds(effect)
+    c_lo, c_hi = _bounds(cause)
+    # 5 s: two clocks of one node (the launcher's and the worker's log lines)
+    if e_hi is not None and c_lo is not None and e_hi < c_lo - 5.0:
+        return False  # the exit came before the failure
+    return not (e_lo is not None and c_hi is not None and e_lo > c_hi + TEARDOWN_AFTER)
+
+
+def _bounds(ev: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """When the event happened, at the earliest and the latest: its own time is both; a
+    line without one happened after the last time its stream printed (a lower bound)."""
+    t = event_time(ev)
+    return t, (t if ev.get("time") else None)
+
+
 @dataclass(frozen=True)
 class Root:
     incident_id: int
@@ -78,6 +157,7 @@ class Root:
     rank: int | None
     ranks: frozenset[int]
     time: float | None
+    event_id: int | None = None
 
 
 def roots_of_run(conn: sqlite3.Connection, run_id: int | None) -> list[Root]:
@@ -93,7 +173,14 @@ def roots_of_run(conn: sqlite3.Connection, run_id: int | None) -> list[Root]:
         t = origin.get("time")
         when = parse_utc(t) if t else None
         out.append(
-            Root(iid, kind, origin.get("rank"), frozenset(json.loads(ranks_json or "[]")), when)
+            Root(
+                iid,
+                kind,
+                origin.get("rank"),
+                frozenset(json.loads(ranks_json or "[]")),
+                when,
+                origin.get("event_id"),
+            )
         )
     out.sort(key=lambda r: (ROOT_KINDS.index(r.kind), r.time or 0.0, r.incident_id))
     return out

@@ -13,15 +13,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-HOW_TO_FIND = {
-    "cann": "cat $ASCEND_TOOLKIT_HOME/version.cfg   # or: npu-smi info; "
-    "python -c 'import torch_npu; print(torch_npu.version.cann)'",
-    "torch": "python -c 'import torch; print(torch.__version__)'",
-    "torch_npu": "python -c 'import torch_npu; print(torch_npu.__version__)'",
-    "mmengine": "python -c 'import mmengine; print(mmengine.__version__)'",
-    "mmdet": "python -c 'import mmdet; print(mmdet.__version__)'",
-    "msprobe": "pip show mindstudio-probe",
+# what to run to find a version (the first command on the node that ran the job)
+HOW_TO_FIND: dict[str, tuple[str, ...]] = {
+    "cann": (
+        "cat $ASCEND_TOOLKIT_HOME/version.cfg",
+        "npu-smi info",
+        "python -c 'import torch_npu; print(torch_npu.version.cann)'",
+    ),
+    "torch": ("python -c 'import torch; print(torch.__version__)'",),
+    "torch_npu": ("python -c 'import torch_npu; print(torch_npu.__version__)'",),
+    "mmengine": ("python -c 'import mmengine; print(mmengine.__version__)'",),
+    "mmdet": ("python -c 'import mmdet; print(mmdet.__version__)'",),
+    "msprobe": ("pip show mindstudio-probe",),
 }
+LABELS = {"cann": "CANN", "torch_npu": "torch_npu", "mmengine": "mmengine", "mmdet": "mmdet"}
 
 _TOOLKIT_DIRS = (
     "/usr/local/Ascend/ascend-toolkit/latest",

@@ -4,7 +4,8 @@ The correlator reads the events committed since its last pass and attaches each 
 of its run. Events are grouped by a fingerprint (the kind, plus the normalised message for
 open-ended kinds; a run's communication timeouts and errors by backend); a root cause absorbs
 its symptoms (see ``chains.py``): collective timeouts on the other ranks, the launcher's report
-that the rank died. Every material change bumps the incident's ``version`` and is returned as a
+that the rank died; an exit a rank's own communication failure caused follows that failure
+(``effects.py``). Every material change bumps the incident's ``version`` and is returned as a
 :class:`Change` for the outbox.
 
 Lifecycle: ``open`` -> ``resolved`` when the run recovers (finite losses again after a NaN) or,
@@ -24,8 +25,18 @@ from typing import Any
 
 from ..events import format_utc, now_utc
 from ..store.db import Store
-from . import samples, slowdown
-from .chains import ROOT_KINDS, SYMPTOM_KINDS, Root, Timeouts, absorbs, links, roots_of_run
+from . import effects, samples, slowdown
+from .chains import (
+    ROOT_KINDS,
+    SYMPTOM_KINDS,
+    Root,
+    Timeouts,
+    absorbs,
+    links,
+    may_be_torn_down,
+    roots_of_run,
+    torn_down,
+)
 from .origin import origin_for, origin_of
 from .story import describe
 
@@ -36,15 +47,6 @@ _WS = re.compile(r"\s+")
 # Kinds whose events of one run are always one incident, whatever their text.
 _ONE_PER_RUN = {"nan", "oom", "process_failure", "slowdown", "data_issue", "overflow"}
 RECOVERY_ITERATIONS = 20  # finite logged losses after the last NaN that mean "recovered"
-
-
-def _exception_exit(ev: Mapping[str, Any]) -> bool:
-    """A process failure that is an ordinary non-zero exit (an exception), not a signal."""
-    if ev["kind"] != "process_failure":
-        return False
-    f = ev.get("fields") or {}
-    code = f.get("exit_code")
-    return isinstance(code, int) and code > 0 and not f.get("signal") and not f.get("reason")
 
 
 def fingerprint(kind: str, message: str, fields: Mapping[str, Any]) -> str:
@@ -101,6 +103,7 @@ class Correlator:
         self.knowledge = knowledge
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
+        self._relaunch_upto: Any = None  # (metrics, incidents) ids relaunches were looked at
 
     def process(
         self, *, live: bool = False, now: float | None = None, slowdowns: bool = True
@@ -124,6 +127,7 @@ class Correlator:
                 self.store.meta_set(self.META_KEY, str(last))
         with self.store.transaction():
             changes.extend(self._recoveries())
+            changes.extend(self._relaunched())
             if live and self.resolve_after:
                 changes.extend(self._resolve_quiet(time.time() if now is None else now))
         return changes
@@ -171,8 +175,8 @@ class Correlator:
         # roots first, so their symptoms in the same batch find them
         def rank_of_kind(e: Mapping[str, Any]) -> tuple[int, int]:
             k = e["kind"]
-            if _exception_exit(e):
-                return (3, e["id"])  # after the communication errors it may follow from
+            if may_be_torn_down(e):
+                return (3, e["id"])  # after the communication failures it may follow from
             return (0 if k in ROOT_KINDS else 2 if k in SYMPTOM_KINDS else 1, e["id"])
 
         touched_runs: set[Any] = set()
@@ -183,7 +187,7 @@ class Correlator:
                     data_runs.add(ev["run_id"])
                 continue  # kept as an event, not incident-worthy on its own (e.g. early overflow)
             inc = None
-            if _exception_exit(ev):
+            if may_be_torn_down(ev):
                 inc = self._comm_incident_for(ev, accs)
             if inc is None and (ev["kind"] in SYMPTOM_KINDS or ev["kind"] == "process_failure"):
                 inc = self._root_for(ev, accs)
@@ -219,8 +223,8 @@ class Correlator:
         """The open root-cause incident this symptom follows from, if any."""
         timeouts = self._timeouts(ev["run_id"])
         for root in roots_of_run(self.store.conn, ev["run_id"]):
-            if root.kind == ev["kind"]:
-                continue
+            if root.kind == ev["kind"] or effects.torn_down_by(self.store.conn, root, ev):
+                continue  # the root's exit is this failure's effect, not its cause
             if ev["kind"] == "process_failure":
                 if root.kind != "oom" or not absorbs(root, _as_root(ev)):
                     continue
@@ -233,35 +237,27 @@ class Correlator:
     def _comm_incident_for(
         self, ev: Mapping[str, Any], accs: Mapping[int, _Acc]
     ) -> dict[str, Any] | None:
-        """A worker that exited with an exception after a communication error on its own rank
-        (an NCCL/HCCL error raised in it, then torchrun's report) failed because of that error:
-        its exit joins the error's incident, whatever that incident's root is."""
-
-        def same_rank(other: Mapping[str, Any]) -> bool:
-            mine = ev["rank"] if ev["rank"] is not None else ev.get("local_rank")
-            theirs = other["rank"] if other["rank"] is not None else other.get("local_rank")
-            return mine is None or theirs is None or mine == theirs
-
+        """A worker that exited with an exception or an abort shortly after a communication
+        failure on its own rank (an NCCL/HCCL error raised in it, a watchdog taking the process
+        down, then torchrun's report) failed because of that failure: its exit joins the
+        failure's incident, whatever that incident's root is."""
         for acc in accs.values():
             for other in acc.new_events:
-                kind, run = other["kind"], other["run_id"]
-                if kind in SYMPTOM_KINDS and run == ev["run_id"] and same_rank(other):
+                if other["run_id"] == ev["run_id"] and torn_down(ev, other):
                     return acc.incident
-        rows = self.store.conn.execute(
-            "SELECT incident_id, rank, local_rank FROM events WHERE run_id IS ? AND kind IN "
-            "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL ORDER BY id LIMIT 500",
-            (ev["run_id"],),
-        ).fetchall()
-        for iid, rank, local_rank in rows:
-            if same_rank({"rank": rank, "local_rank": local_rank}):
-                held = accs.get(iid)
-                inc = held.incident if held else self._load(iid)
+        for other in effects.comm_events_of(self.store.conn, ev):
+            if torn_down(ev, other):
+                held = accs.get(other["incident_id"])
+                inc = held.incident if held else self._load(other["incident_id"])
                 if inc is not None and inc["status"] == "open":
                     return inc
         return None
 
     def _absorb_orphans(self, run_id: Any, accs: dict[int, _Acc]) -> None:
-        """A root that arrived after its symptoms takes them over."""
+        """A root that arrived after its symptoms takes them over; a process failure whose
+        cause arrived after it (its own rank's watchdog timeout) joins that cause."""
+        while (pair := effects.next_effect(self.store.conn, run_id)) is not None:
+            self._merge(*pair, accs)
         roots = roots_of_run(self.store.conn, run_id)
         if not roots:
             return
@@ -524,6 +520,50 @@ class Correlator:
                     f"the loss was finite for {n} logged iterations after step {last_step}"
                 )
                 out.append(self._resolve(iid, version, detail))
+        return out
+
+    def _relaunched(self) -> list[Change]:
+        """Open incidents that a later run of the same experiment trained past: its training
+        reached a step beyond the incident's origin step (or an epoch beyond its epoch)."""
+        out: list[Change] = []
+        # only new step counts (or new incidents) can change the answer: look again then
+        newest = self.store.conn.execute(
+            "SELECT (SELECT max(id) FROM metrics), (SELECT max(id) FROM incidents)"
+        ).fetchone()
+        if newest == self._relaunch_upto:
+            return out
+        self._relaunch_upto = newest
+        rows = self.store.conn.execute(
+            "SELECT i.id, i.version, i.detail, i.origin, r.id, r.experiment FROM incidents i "
+            "JOIN runs r ON r.id = i.run_id WHERE i.status = 'open' AND r.experiment IS NOT NULL"
+        ).fetchall()
+        for iid, version, detail_json, origin_json, run_id, experiment in rows:
+            origin = json.loads(origin_json or "{}")
+            step, epoch = origin.get("step"), origin.get("epoch")
+            if step is None and epoch is None:
+                continue
+            later = self.store.conn.execute(
+                "SELECT r.name, max(m.step), max(m.epoch) FROM runs r "
+                # a step counts when it trained: its loss is finite (SQLite stores NaN as NULL)
+                "JOIN metrics m ON m.run_id = r.id AND m.stage = 'train' "
+                "AND m.loss IS NOT NULL AND abs(m.loss) < 1e300 "
+                "WHERE r.experiment = ? AND r.id > ? GROUP BY r.id ORDER BY r.id",
+                (experiment, run_id),
+            ).fetchall()
+            for name, max_step, max_epoch in later:
+                if step is not None and max_step is not None and max_step > step:
+                    past = f"step {max_step}, past the incident's step {step}"
+                elif step is None and max_epoch is not None and max_epoch > epoch:
+                    past = f"epoch {max_epoch}, past the incident's epoch {epoch}"
+                else:
+                    continue
+                detail = json.loads(detail_json or "{}")
+                detail["resolution"] = (
+                    f"{name}, a relaunch of the same experiment, trained to {past}"
+                )
+                detail["resolved_by_run"] = name
+                out.append(self._resolve(iid, version, detail))
+                break
         return out
 
     def _resolve_quiet(self, now: float) -> list[Change]:

@@ -7,7 +7,7 @@ An entry says when it applies to an incident, what to tell people and what to ru
     title = "Validation ran out of memory; the other ranks' timeouts are a symptom"
     priority = 90                 # higher first
     text = "..."                  # may use {cann}, {torch}, ... and {rank}, {stage}, {run}
-    commands = ["..."]
+    commands = ["nanwatch events --run {run}"]   # values are shell-quoted: no quotes around {run}
     [cause.when]                  # every condition must hold
     kind = ["oom"]                # incident kind
     stage = ["val"]               # origin stage
@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuleError
-from .facts import HOW_TO_FIND, node_cann_version, satisfies
+from .commands import check_command, fill_command
+from .facts import HOW_TO_FIND, LABELS, node_cann_version, satisfies
 from .samples import SAMPLE_REASONS
 
 if sys.version_info >= (3, 11):
@@ -102,10 +103,13 @@ class Situation:
     messages: tuple[str, ...] = ()
     versions: Mapping[str, str] = field(default_factory=dict)
     version_sources: Mapping[str, str] = field(default_factory=dict)
+    unknown: Mapping[str, str] = field(default_factory=dict)  # version -> why the run cannot tell
     data_issue: bool = False
     fields: Mapping[str, frozenset[Any]] = field(default_factory=dict)
     run: str | None = None
     work_dir: str | None = None
+    # more values hints may name: {incident}, {config}, {annotations}, {classes}
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,15 +171,25 @@ class Cause:
         values.update({k: s.origin.get(k) for k in ("rank", "stage", "step", "tensor", "module")})
         values["run"] = s.run
         values["work_dir"] = s.work_dir
+        # the config file the run's work_dir holds (mmengine dumps it there), the incident...
+        for k in ("config", "incident", "annotations", "classes"):
+            values[k] = s.extra.get(k)
         text = _fill(self.text, values)
+        commands = [fill_command(c, values) for c in self.commands]
         notes = []
         for name, constraint in (self.when.get("versions") or {}).items():
             v = s.versions.get(name)
             if v is None:
+                find = HOW_TO_FIND.get(name, (f"pip show {name}",))
+                why = s.unknown.get(name)
+                also = f" (or `{find[1]}`)" if len(find) > 1 else ""
                 notes.append(
-                    f"The {name} version is unknown here; this applies if it is {constraint}. "
-                    f"Find it with: {HOW_TO_FIND.get(name, name)}"
+                    f"{LABELS.get(name, name)} version unknown"
+                    + (f" ({why})" if why else "")
+                    + f": run `{find[0]}`{also}; this applies if it is {constraint}."
                 )
+                # the command that settles it comes first
+                commands = [find[0], *(c for c in commands if c != find[0])]
             else:
                 where = s.version_sources.get(name)
                 notes.append(
@@ -187,8 +201,21 @@ class Cause:
             "id": self.id,
             "title": _fill(self.title, values),
             "text": text,
-            "commands": [_fill(c, values) for c in self.commands],
+            "commands": commands,
         }
+
+
+def _run_values(incident_id: int, run: Mapping[str, Any]) -> dict[str, Any]:
+    from .runconfig import config_file, config_values
+
+    out: dict[str, Any] = {"incident": incident_id}
+    name = str(run.get("name") or "")
+    launch = name.rsplit("/", 1)[-1] if "/" in name else None
+    path = config_file(run.get("root"), run.get("experiment"), launch)
+    if path is not None:
+        out["config"] = str(path)
+        out.update(config_values(path))
+    return out
 
 
 def _fill(template: str, values: Mapping[str, Any]) -> str:
@@ -200,6 +227,16 @@ def _fill(template: str, values: Mapping[str, Any]) -> str:
         return str(v) if v is not None else f"<{name}>"
 
     return re.sub(r"\{(\w+)\}", sub, template)
+
+
+def _commands(src: Path, cid: str, raw: object) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(c, str) for c in raw):
+        raise _fail(src, cid, "commands: expected a list of strings")
+    for i, c in enumerate(raw):
+        why = check_command(c)
+        if why:
+            raise _fail(src, cid, f"commands[{i}] {c!r}: {why}")
+    return tuple(raw)
 
 
 def _situation(raw: Mapping[str, Any]) -> Situation:
@@ -280,7 +317,7 @@ def load_causes(src: Path, seen: dict[str, Path]) -> list[Cause]:
                 id=cid,
                 title=raw["title"],
                 text=raw["text"],
-                commands=tuple(raw.get("commands", ())),
+                commands=_commands(src, cid, raw.get("commands", [])),
                 priority=int(raw.get("priority", 0)),
                 when=when,
                 source=src,
@@ -363,6 +400,8 @@ class Knowledge:
             known.setdefault(name, pair)
         versions = {k: v for k, (v, _) in known.items()}
         sources = {k: where for k, (_, where) in known.items()}
+        told = (run.get("facts") or {}).get("unknown") or {}
+        unknown = {str(k): str(why) for k, why in told.items() if k not in versions and why}
         # samples with empty ground truth count when they came just before this incident (the
         # NaN story links them); other data issues (msprobe's empty tensors) anywhere in the run
         data_issue = bool(detail.get("related_data_issues")) or (
@@ -392,10 +431,12 @@ class Knowledge:
             messages=tuple(messages),
             versions=versions,
             version_sources=sources,
+            unknown=unknown,
             data_issue=data_issue,
             fields={k: frozenset(v) for k, v in fields.items()},
             run=run.get("name"),
             work_dir=run.get("root"),
+            extra=_run_values(incident_id, run),
         )
 
     def match(self, s: Situation) -> list[dict[str, Any]]:

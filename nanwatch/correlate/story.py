@@ -74,6 +74,7 @@ def describe(
     run_name = run.get("name")
     suffix = f" (run {run_name})" if run_name else ""
     detail: dict[str, Any] = {}
+    evidence = origin.get("evidence") or {}
     where = ", ".join(
         x
         for x in (f"rank {rank}" if rank is not None else "", at, _STAGE_WORD.get(stage or "", ""))
@@ -94,11 +95,26 @@ def describe(
             + "."
         )
     elif kind == "process_failure":
+        signal = evidence.get("signal")
         title = "Process failure" + (f" of rank {rank}" if rank is not None else "")
+        title += f" ({signal})" if signal else ""
         detail["root_cause"] = (
             f"{'Rank ' + str(rank) if rank is not None else 'A process'} exited abnormally"
             + (f" ({at})" if at else "")
+            + (
+                ": killed by SIGKILL, often the host's out-of-memory killer (check dmesg on "
+                "its node)"
+                if signal == "SIGKILL"
+                else f" ({signal})"
+                if signal
+                else ""
+            )
             + "."
+            + (
+                f" Ranks {ranks_text(evidence['named_by'])} named it as the peer they waited for."
+                if evidence.get("named_by")
+                else ""
+            )
         )
     elif kind == "nan":
         tensor = origin.get("tensor")
@@ -123,7 +139,18 @@ def describe(
         if codes:
             title += f" ({codes})"
         remote = sorted(info.get("remote", ()))
-        if remote:
+        if evidence.get("silent"):
+            # the waiting ranks name one that printed nothing: it is the root (see origin.py)
+            title = f"Rank {rank} stopped responding: {title}"
+            detail["cause_rank"] = rank
+            detail["root_cause"] = (
+                f"Rank {rank} stopped responding: ranks {ranks_text(evidence['named_by'])} "
+                f"named it as the peer they waited for, and nothing from rank {rank} itself is "
+                f"in these logs. These ranks waited for rank {rank} in a collective; look for "
+                "its own end: its log on its node, the launcher's report of its exit, the "
+                "host's out-of-memory killer (dmesg), a lost node."
+            )
+        elif remote:
             title += f", waiting for rank {','.join(remote)}"
             detail["cause_rank"] = _int(remote[0])
             detail["root_cause"] = (
@@ -174,6 +201,20 @@ def describe(
         ).strip()
         detail["symptom_ranks"] = other
         detail["symptoms"] = sorted(symptoms)
+    exits = comp.get("process_failure")
+    if exits and kind != "process_failure":
+        # launcher reports of exits this failure caused (a watchdog aborting its process, the
+        # root's own exception): effects, said as such
+        comm = kind in ("comm_timeout", "comm_error")
+        exited = sorted(exits["ranks"] - ({rank} if rank is not None and not comm else set()))
+        if exited:
+            detail["exited_ranks"] = exited
+            detail["root_cause"] = (
+                detail.get("root_cause", "")
+                + f" Ranks {ranks_text(exited)} then exited"
+                + (" (their watchdogs took the processes down)" if comm else "")
+                + ": the launcher's reports of their exits are effects of this failure."
+            ).strip()
     if kind == "nan":
         nan = comp.get("nan")
         if nan and rank is not None and len(nan["ranks"]) > 1:

@@ -32,7 +32,8 @@ _TEXT_MAX = 1000
 _KEYS_MAX = 64
 _INT_FACTS = ("world_size", "rank", "local_rank")
 _STR_FACTS = ("node", "work_dir", "launcher", "backend")
-_TABLES = ("job", "versions", "device", "timeouts", "determinism")
+# ``unknown``: facts the process could not tell, each with why (``{"cann": "torch_npu is ..."}``)
+_TABLES = ("job", "versions", "device", "timeouts", "determinism", "unknown")
 _MEMORY_FIELDS = (
     "device_index",
     "total",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..events import Metric
 from ..stream import StreamState
-from .rules import Rule, RuleSet, normalize_stage
+from .rules import TIERS, Rule, RuleSet, normalize_stage
 
 _NAMED = re.compile(r"\(\?P<\w+>")
 # stream state a context rule may set, in the order ``_set_state`` applies them
@@ -57,10 +57,13 @@ class Compiled:
             self.prefilter = re.compile(b"|".join(re.escape(lit) for lit in by_len))
             self.lit_index = {lit: i for i, lit in enumerate(lits)}
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
-        # first match wins: higher priority first, load order (site packs first) among equals
+        # first match wins: most specific tier first, load order (site packs first) within one
         self.event_rules = sorted(
-            (r for r in self.line_rules if r.type == "event"), key=lambda r: -r.priority
+            (r for r in self.line_rules if r.type == "event"), key=lambda r: TIERS.index(r.tier)
         )
+        # the rule tried first also names a failure report it shares with others (reports.py)
+        n = len(self.event_rules)
+        self.strength = {r.id: n - i for i, r in enumerate(self.event_rules)}
         # literal index -> positions of the rules that use it (a line only tries those)
         self.lit_ctx = [
             tuple(i for i, r in enumerate(self.context_rules) if lit.decode() in r.literals)
@@ -272,9 +275,4 @@ def chunk_state(plan: ChunkPlan, g: tuple[bytes | None, ...], state: StreamState
                     pass
         elif v:
             setattr(state, key, str(v))
-    # Epoch-based loops print the iteration within the epoch; the global step follows.
-    if not step_given and state.stage in (None, "train"):
-        if state.epoch is not None and state.iter is not None and state.iters:
-            state.step = (state.epoch - 1) * state.iters + state.iter
-        elif state.iter is not None and state.epoch is None:
-            state.step = state.iter
+    state.follow_step(step_given)

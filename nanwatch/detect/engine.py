@@ -14,10 +14,12 @@ import dataclasses
 import logging
 import re
 import signal as _signal
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..dates import file_bound
 from ..events import DEVICES, Event, Metric
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
@@ -34,15 +36,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # A line that starts a record of its own, never the wrapped tail of the line before it.
 _NEW_RECORD = re.compile(
     r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
-    r"During handling|The above exception|Exception raised from"
+    r"During handling|The above exception|Exception raised from|"
+    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
 )
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
+RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) stays open
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
-MEMORY_PRIORITY = -100  # a companion memory summary never outranks a rule's detection
+MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
 
 def decode_line(raw: bytes) -> str:
@@ -71,7 +75,12 @@ class Detector:
     """Applies a RuleSet to streams. Stateless itself: each stream passes its StreamState."""
 
     def __init__(
-        self, rules: RuleSet, *, default_year: int | None = None, automaton: bool = True
+        self,
+        rules: RuleSet,
+        *,
+        default_year: int | None = None,
+        automaton: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._c = Compiled(rules, automaton=automaton)
         self.rules = rules
@@ -81,6 +90,7 @@ class Detector:
         self.counters: Counter[str] = Counter()
         self._cap = min((r.max_chars for r in rules.rules), default=0)
         self._warned: set[str] = set()
+        self._clock = clock  # the bound of a year-less line's date when the bytes have no file
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -92,14 +102,19 @@ class Detector:
         file: str | None = None,
         *,
         facts: list[dict[str, Any]] | None = None,
+        trace: set[str] | None = None,
     ) -> tuple[list[Event], list[Metric]]:
         """Process ``chunk`` (complete lines only) that starts at byte ``base_offset``.
 
         Updates ``state`` in place (line count, context) and returns what the lines yield.
         Run facts the lines tell (versions, world size, timeouts...) are appended to ``facts``
-        when it is given.
+        when it is given; the ids of the prefixes and rules that matched a line are added to
+        ``trace`` (the examples runner: an example must pass through its own rule).
         """
         c = self._c
+        # year-less timestamps: not after the file was last written, not before the stream's
+        # previous dated line
+        self.times.begin(file_bound(file, self._clock), state.last_time)
         lines = c.lines(chunk)
         # the in-process companion's records (one cheap search; most chunks have none)
         records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()
@@ -109,6 +124,7 @@ class Detector:
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
         state.blocks = {k: list(v) for k, v in state.blocks.items()}
         f = Feed(chunk, base_offset, file)
+        f.trace = trace
         any_prefix = c.any_prefix
         line_no = state.line_no
         pos = 0
@@ -144,9 +160,16 @@ class Detector:
             no_epoch = state.epoch is None
             if is_candidate or (any_prefix is not None and any_prefix.match(chunk, start)):
                 raw = decode_line(chunk[start:end])
-                text, prefix_attrs = self._strip_prefixes(raw)
+                text, prefix_attrs = self._strip_prefixes(raw, f.trace)
+                if state.pid_ranks and "rank" not in prefix_attrs and "pid" in prefix_attrs:
+                    # an actor's line without a rank: the rank another line of that process named
+                    rank = state.pid_ranks.get(prefix_attrs["pid"])
+                    if rank is not None:
+                        prefix_attrs["rank"] = rank
             if hits is not None:
                 for plan, m in hits:
+                    if f.trace is not None:
+                        f.trace.add(plan.rule.id)
                     self._apply_chunk_rule(
                         plan,
                         m,
@@ -175,9 +198,9 @@ class Detector:
                 else e
                 for e in f.events
             ]
-        # nanwatch follows training runs: a stream says when it validates or tests
-        events = [e if e.stage else dataclasses.replace(e, stage="train") for e in f.events]
-        return events, f.metrics
+        # no stage unless the text names one (a progress line, a traceback frame, the entry
+        # script): an inference server or an evaluation script is not training
+        return f.events, f.metrics
 
     def explain(self, text: str) -> dict[str, Any]:
         """Which rules match ``text`` (one or more lines) and the events it gives."""
@@ -204,7 +227,7 @@ class Detector:
                             "type": "hint" if r.hint else r.type,
                             "kind": r.kind,
                             "pack": r.pack,
-                            "priority": r.priority,
+                            "tier": r.tier,
                             "values": vals,
                         }
                     )
@@ -226,7 +249,13 @@ class Detector:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _strip_prefixes(self, text: str) -> tuple[str, dict[str, Any]]:
+    def prefix_attrs(self, line: str) -> dict[str, Any]:
+        """The attributes (rank, node...) the prefixes of ``line`` carry."""
+        return self._strip_prefixes(decode_line(line.encode("utf-8")))[1]
+
+    def _strip_prefixes(
+        self, text: str, trace: set[str] | None = None
+    ) -> tuple[str, dict[str, Any]]:
         attrs: dict[str, Any] = {}
         for _ in range(4):
             for p in self.rules.prefixes:
@@ -237,9 +266,11 @@ class Detector:
                             continue
                         if k in ("rank", "local_rank"):
                             attrs.setdefault(k, int(v))
-                        elif k in ("node", "device"):
+                        elif k in ("node", "device", "pid"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
+                    if trace is not None:
+                        trace.add(p.id)
                     break
             else:
                 break
@@ -327,18 +358,29 @@ class Detector:
         values: Mapping[str, Any],
         line_no: int,
         hint: bool,
+        weak: bool = False,
     ) -> None:
         stage = values.get("stage")
         if stage is not None:
             stage = normalize_stage(str(stage))
         if hint:
-            if stage:
+            pending = state.hint_stage and line_no - state.hint_line <= HINT_WINDOW
+            if stage and not (weak and pending and not state.hint_weak):
                 state.hint_stage = stage
                 state.hint_line = line_no
+                state.hint_weak = weak
             rank = values.get("rank")
             if rank is not None:
                 try:
                     state.hint_rank = int(rank)
+                    state.hint_rank_line = line_no
+                    state.hint_rank_once = False
+                except (TypeError, ValueError):
+                    pass
+            local = values.get("local_rank")
+            if local is not None:
+                try:
+                    state.hint_local_rank = int(local)
                     state.hint_rank_line = line_no
                 except (TypeError, ValueError):
                     pass
@@ -362,12 +404,7 @@ class Detector:
             launch = {k: str(v) for k, v in values.items() if k in LAUNCH_KEYS and v}
             if launch:
                 state.launch = {**(state.launch or {}), **launch}
-        # Epoch-based loops print the iteration within the epoch; the global step follows.
-        if values.get("step") is None and state.stage in (None, "train"):
-            if state.epoch is not None and state.iter is not None and state.iters:
-                state.step = (state.epoch - 1) * state.iters + state.iter
-            elif state.iter is not None and state.epoch is None:
-                state.step = state.iter
+        state.follow_step(values.get("step") is not None)
 
     @staticmethod
     def _progress(state: StreamState, line_no: int) -> None:
@@ -375,8 +412,29 @@ class Detector:
         state.progress_line = line_no
         state.hint_stage = None
         state.hint_rank = None
+        state.hint_local_rank = None
         if state.blocks:
             state.blocks = {}
+        state.records = None
+
+    @staticmethod
+    def _open_record(state: StreamState, name: str, rank: Any, line_no: int) -> None:
+        key = "?" if rank is None else str(rank)
+        old = (state.records or {}).get(key)
+        if old is not None and old[0] != name and line_no - old[1] <= 1:
+            return  # the line before named this record ("Exception ignored in:")
+        state.records = {**(state.records or {}), key: [name, line_no]}
+
+    @staticmethod
+    def _in_record(state: StreamState, name: str, rank: Any, line_no: int) -> bool:
+        rec = (state.records or {}).get("?" if rank is None else str(rank))
+        return rec is not None and rec[0] == name and line_no - rec[1] <= RECORD_LINES
+
+    @staticmethod
+    def _close_record(state: StreamState, rank: Any) -> None:
+        key = "?" if rank is None else str(rank)
+        if state.records and key in state.records:
+            state.records = {k: v for k, v in state.records.items() if k != key} or None
 
     def _apply_chunk_rule(
         self,
@@ -397,7 +455,7 @@ class Detector:
                 k: v.decode("utf-8", "replace") for k, v in m.groupdict().items() if v is not None
             }
             values.update(rule.set)
-            self._set_state(state, values, line_no, True)
+            self._set_state(state, values, line_no, True, rule.entry)
         else:
             chunk_state(plan, g, state)
         if rule.progress:
@@ -499,14 +557,22 @@ class Detector:
             m = self._search(rule, ctx_text)
             if m is None:
                 continue
+            if f.trace is not None:
+                f.trace.add(rule.id)
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
-            self._set_state(state, values, line_no, rule.hint)
+            self._set_state(state, values, line_no, rule.hint, rule.entry)
+            if rule.hint:
+                self._record_rank(state, values, prefix_attrs, line_no)
+            if rule.opens is not None:
+                self._open_record(state, rule.opens, prefix_attrs.get("rank"), line_no)
             if rule.progress:
                 self._progress(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:
-                self._late_stage(state.hint_stage, prefix_attrs.get("rank"), line_no, f)
+                # every rank runs the entry script: its frame speaks for all of them
+                rank = None if rule.entry else prefix_attrs.get("rank")
+                self._late_stage(state.hint_stage, rank, line_no, f, rule.entry)
             if g.get("ts"):
                 when = self.times.parse(g["ts"])
                 if when:
@@ -521,15 +587,23 @@ class Detector:
         for rule in ev_rules:
             if not any(lit in text for lit in rule.literals):
                 continue
+            rank = prefix_attrs.get("rank")
+            if rule.within is not None and not self._in_record(state, rule.within, rank, line_no):
+                continue
             found = self._match(rule, text, end, f.chunk)
             if found is None:
                 continue
             m, ms, matched, used_end = found
+            if f.trace is not None:
+                f.trace.add(rule.id)
             ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
             if rule.alone:
                 f.events.append(ev)
             else:
-                report(ev, rule.priority, state, line_no, f)
+                report(ev, c.strength[rule.id], state, line_no, f, generic=rule.tier == "generic")
+            if state.records and (rule.within is not None or not text[:1].isspace()):
+                # a traceback's final line was read (by this rule or a more specific one)
+                self._close_record(state, rank)
             if used_end > end:
                 f.skip_to = used_end
             return
@@ -611,13 +685,42 @@ class Detector:
                 self._cap,
             )
 
-    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed) -> None:
-        """Frames printed after the report's first line (IPython): they name its stage too."""
+    @staticmethod
+    def _record_rank(
+        state: StreamState, values: Mapping[str, Any], prefix_attrs: Mapping[str, Any], line_no: int
+    ) -> None:
+        """A hint line (a traceback's header or frame) whose prefix names a rank lends it to
+        the next unprefixed event of its record; a rank a process's line names is that
+        process's (its other lines carry only its pid)."""
+        prefix_rank = prefix_attrs.get("rank")
+        if prefix_rank is not None and values.get("rank") is None:
+            state.hint_rank = prefix_rank
+            state.hint_rank_line = line_no
+            state.hint_rank_once = True
+        pid = prefix_attrs.get("pid")
+        if pid is not None and prefix_rank is None and values.get("rank") is not None:
+            try:
+                rank = int(values["rank"])
+            except (TypeError, ValueError):
+                return
+            known = state.pid_ranks or {}
+            if known.get(pid) != rank and len(known) < 4096:
+                state.pid_ranks = {**known, pid: rank}
+
+    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
+        """Frames printed after the report's first line (IPython, a traceback that follows
+        another rank's error line): they name its stage too; a loop frame replaces what the
+        entry script said."""
         for idx in f.opened.values():
             ev = f.events[idx]
-            near = ev.stage is None and line_no - (ev.line or 0) <= BLOCK_LINES
+            open_to = ev.stage is None or (idx in f.weak_stage and not weak)
+            near = open_to and line_no - (ev.line or 0) <= BLOCK_LINES
             if near and (rank is None or ev.rank is None or ev.rank == rank):
                 f.events[idx] = dataclasses.replace(ev, stage=stage)
+                if weak:
+                    f.weak_stage.add(idx)
+                else:
+                    f.weak_stage.discard(idx)
 
     def _event(
         self,
@@ -686,16 +789,29 @@ class Detector:
             fields["stream_time"] = state.last_time
         stage = attrs.get("stage")
         if stage is None and state.hint_stage and line_no - state.hint_line <= HINT_WINDOW:
-            stage = state.hint_stage
+            # the entry script says less than where the stream is now (a marker, a progress line)
+            if not (state.hint_weak and state.stage):
+                stage = state.hint_stage
             state.hint_stage = None
         if stage is None:
             stage = state.stage
         rank = prefix_attrs.get("rank", attrs.get("rank"))
+        near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
+        own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
         if rank is None and state.hint_rank is not None:
-            rank = state.hint_rank if line_no - state.hint_rank_line <= RANK_HINT_WINDOW else None
+            # a line that names its own (local) rank is about that process, not a neighbour's;
+            # either way the record that lent its rank has ended
+            if own_local is None:
+                rank = state.hint_rank if near else None
+            if state.hint_rank_once or own_local is not None:
+                state.hint_rank = None
         if rank is None:
             rank = state.rank
-        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank", state.local_rank))
+        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank"))
+        if local_rank is None and state.hint_local_rank is not None and near:
+            local_rank = state.hint_local_rank
+        if local_rank is None:
+            local_rank = state.local_rank
         if rank is None and local_rank is not None:
             rank = local_rank  # a local rank stands in when nothing names the global one
         message = text.strip()

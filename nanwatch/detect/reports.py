@@ -1,8 +1,8 @@
 """Failure reports: a failure is usually reported over several lines (a traceback, an HCCL error
 block, a watchdog message and its follow-ups). Detections of one report become one event: the
-first line gives its position, the highest-priority line its kind and message, every line its
-missing attributes and fields. Open reports are kept per rank in the stream state, so a report
-split over two chunks is still one event."""
+first line gives its position, the strongest line (the one whose rule is tried first) its kind
+and message, every line its missing attributes and fields. Open reports are kept per rank in
+the stream state, so a report split over two chunks is still one event."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from ..stream import StreamState
 
 BLOCK_LINES = 40  # lines within which detections of one family are one failure report
 FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
+# A process failure read by the generic layer (a traceback's last line, a vendor's error code) is
+# part of whatever failure report of its rank is open: "ERR00100 PTA call acl api failed" before
+# the HCCL code that says what failed, a RuntimeError after an NCCL error. A report it opens takes
+# the family of the first specific line that joins it.
+_ANY = "*"
+_FAILURES = {_ANY, "comm", "oom", "process_failure"}  # a NaN report is not a failure report
 _MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
 
 
@@ -28,15 +34,22 @@ class Feed:
     events: list[Event] = field(default_factory=list)
     metrics: list[Metric] = field(default_factory=list)
     opened: dict[str, int] = field(default_factory=dict)  # report key -> index in events
-    prios: dict[int, int] = field(default_factory=dict)  # event index -> its kind's priority
+    prios: dict[int, int] = field(default_factory=dict)  # event index -> its rule's strength
     skip_to: int = -1  # lines consumed by a multi-line match end here
     first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
+    trace: set[str] | None = None  # ids of the rules that matched, when someone asks
+    weak_stage: set[int] = field(default_factory=set)  # events staged by the entry script only
 
 
-def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> None:
-    """Add ``ev`` to the events, or fold it into the open report it belongs to."""
+def report(
+    ev: Event, prio: int, state: StreamState, line_no: int, f: Feed, *, generic: bool = False
+) -> None:
+    """Add ``ev`` to the events, or fold it into the open report it belongs to; ``generic``: its
+    rule is of the generic tier."""
     family = FAMILY.get(ev.kind, ev.kind)
+    if ev.kind == "process_failure" and generic:
+        family = _ANY
     blocks = state.blocks
     for k in [k for k, b in blocks.items() if line_no - b[1] > BLOCK_LINES]:
         del blocks[k]
@@ -45,7 +58,9 @@ def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> N
 
     def usable(k: str) -> bool:
         b = blocks.get(k)
-        return b is not None and b[0] == family and b[1] >= state.progress_line
+        if b is None or b[1] < state.progress_line:
+            return False
+        return b[0] == family or (_ANY in (b[0], family) and {b[0], family} <= _FAILURES)
 
     found: str | None = None
     if key != "?":
@@ -69,7 +84,8 @@ def report(ev: Event, prio: int, state: StreamState, line_no: int, f: Feed) -> N
         new_key = "?" if merged.rank is None else str(merged.rank)
         blocks.pop(found)
         f.opened.pop(found)
-        blocks[new_key] = [family, line_no, f.prios[idx], merged.kind]
+        fam = b[0] if family == _ANY else family
+        blocks[new_key] = [fam, line_no, f.prios[idx], merged.kind]
         f.opened[new_key] = idx
     elif prio > b[2] and ev.kind != b[3]:
         # the report's first event was committed with an earlier chunk; a stronger line of

@@ -35,13 +35,23 @@ vocabulary (``timeout_ms`` is an int, ``bytes_requested`` a byte size, ...). ``b
 
 Optional rule keys (all backward compatible):
 
-- ``priority`` (int, default 0): event rules are tried on a line in decreasing priority (site
-  packs first among equals), the first match wins. Detections of one failure report (the lines
-  of one traceback, an HCCL error block, a watchdog message and its follow-ups: same kind
-  family, same rank, a few lines apart, no iteration line between them) become ONE event: it
-  keeps the position of the first line, takes its kind and message from the highest-priority
-  line (the last one among equals: a traceback's final exception line), and missing attributes
-  and fields from every line.
+- ``tier`` (default: the pack's ``[pack] tier``, else ``"family"``): how specific an event rule
+  is, one of ``specific`` (one exact message with its codes and numbers: ``EI0002``, a watchdog
+  timeout, ``Tried to allocate``), ``family`` (what one library or framework prints) and
+  ``generic`` (format-agnostic catch-alls: ``loss: nan`` anywhere, an ``OutOfMemoryError``
+  name; a pack of only such rules says ``[pack] tier = "generic"``). Event rules are tried on a
+  line tier by tier, most specific first; within a tier in load order: site packs first, then
+  the shipped packs by file name, each pack's rules from top to bottom; the first match wins.
+  So a pack lists a more specific rule above the rule it refines. Detections of one failure
+  report (the lines of one traceback, an HCCL error block, a watchdog message and its
+  follow-ups: same kind family, same rank, a few lines apart, no iteration line between them)
+  become ONE event: it keeps the position of the first line, takes its kind and message from
+  the line of the rule tried first (the later line when one rule matched both: a traceback's
+  final exception line), and missing attributes and fields from every line. The numeric
+  ``priority`` of earlier versions is refused with the tier to use instead.
+- an example's ``claimed_by = "<rule id>"``: the line is one this rule would read but a stronger
+  rule takes first; the example passes when that rule took it (precedence, shown on the weaker
+  rule's side).
 - ``lines`` (int, default 1): the pattern sees this many lines joined with ``\n`` (prefixes
   stripped), for records printed over several lines (torchrun's failure summary).
 - ``alone = true``: every matching line is a detection of its own, never folded into a failure
@@ -51,6 +61,16 @@ Optional rule keys (all backward compatible):
 - context rules whose pattern has a ``loss``/``iter``/``step`` group or ``metrics`` mark an
   iteration line: it closes open failure reports and clears traceback hints. A hint rule may
   also name a ``rank`` (``RankID:8`` in an error line): it stands for the next events' rank.
+- ``entry = true`` on a hint rule: the line names the launch's entry script (a traceback's
+  ``<module>`` frame, torchrun's ``train.py FAILED``): every rank runs it, so it also names the
+  stage of the reports of other ranks printed just before, and it is weaker than a loop frame
+  (``in val_step``), which it never replaces. A stage nothing names stays unknown (null).
+- ``opens = "<record>"`` on a context rule: the line opens a record of that name for its rank
+  (a Python traceback's ``Traceback (most recent call last):`` header); ``within = "<record>"``
+  on an event rule: the rule is only tried while such a record is open (the traceback's final
+  exception line, whatever the exception). Any detection on an unindented line of that rank, an
+  iteration line, or ``RECORD_LINES`` lines close it. A record opened on the line before is not
+  replaced by another name (``Exception ignored in:`` names the traceback that follows it).
 - metric groups named ``*_ms`` are converted to seconds.
 - ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
   ``nanwatch runs --json`` shows and the knowledge base reads):
@@ -208,6 +228,8 @@ class Example:
     state: Mapping[str, Any]
     metrics: Mapping[str, Any] | None
     facts: Mapping[str, Any] | None = None  # run facts the lines must tell
+    # a line this rule would read that a more specific rule reads first: that rule must take it
+    claimed_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -240,12 +262,15 @@ class Rule:
     all_matches: bool = False
     examples: tuple[Example, ...] = ()
     groups: tuple[str, ...] = ()
-    priority: int = 0
+    tier: str = "family"
     lines: int = 1
     alone: bool = False
     progress: bool = False  # an iteration line: closes failure reports, clears hints
+    entry: bool = False  # a hint from the launch's entry script: weaker than a loop frame
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
     max_chars: int = LINE_LIMIT  # characters of a line the pattern examines (see bounds.py)
+    opens: str | None = None  # a context rule: the record (traceback) this line opens
+    within: str | None = None  # an event rule: only tried inside an open record of this name
 
     @property
     def chunk(self) -> bool:
@@ -254,7 +279,7 @@ class Rule:
 
 @dataclass
 class RuleSet:
-    """Every loaded pack, in priority order (site packs before shipped ones)."""
+    """Every loaded pack, in load order (site packs before shipped ones)."""
 
     packs: list[Mapping[str, Any]] = field(default_factory=list)
     prefixes: list[Prefix] = field(default_factory=list)
@@ -270,7 +295,19 @@ class RuleSet:
         return None
 
 
-_PACK_KEYS = {"id", "title", "description", "url"}
+_PACK_KEYS = {"id", "title", "description", "url", "tier"}
+# most specific first: the order event rules are tried in
+TIERS = ("specific", "family", "generic")
+DEFAULT_TIER = "family"
+
+
+def _tier_for(priority: object) -> str:
+    """The tier that took the place of a numeric priority (for the message that refuses it)."""
+    if isinstance(priority, (int, float)) and not isinstance(priority, bool):
+        return "specific" if priority >= 20 else "family" if priority >= 0 else "generic"
+    return DEFAULT_TIER
+
+
 _PREFIX_KEYS = {"id", "pattern", "example", "description"}
 _RULE_KEYS = {
     "id",
@@ -288,13 +325,28 @@ _RULE_KEYS = {
     "all",
     "example",
     "description",
-    "priority",
+    "tier",
+    "priority",  # refused with a message naming the tier to use
     "lines",
     "alone",
     "facts",
     "max_chars",
+    "entry",
+    "opens",
+    "within",
 }
-_EXAMPLE_KEYS = {"line", "lines", "file", "event", "events", "state", "metrics", "facts", "note"}
+_EXAMPLE_KEYS = {
+    "line",
+    "lines",
+    "file",
+    "event",
+    "events",
+    "state",
+    "metrics",
+    "facts",
+    "note",
+    "claimed_by",
+}
 
 
 def _fail(src: Path, rule_id: str | None, msg: str) -> RuleError:
@@ -370,6 +422,7 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
                 state=ex.get("state", {}),
                 metrics=ex.get("metrics"),
                 facts=ex.get("facts"),
+                claimed_by=ex.get("claimed_by"),
             )
         )
     return tuple(out)
@@ -386,6 +439,9 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 src, None, f"unknown table {top!r}; a pack has [pack], [[prefix]], [[rule]]"
             )
     pack_id = pack["id"]
+    pack_tier = pack.get("tier", DEFAULT_TIER)
+    if pack_tier not in TIERS:
+        raise _fail(src, None, f"[pack] tier must be one of {', '.join(TIERS)}; got {pack_tier!r}")
     rs.packs.append({**pack, "source": str(src)})
 
     for raw in data.get("prefix", []):
@@ -453,6 +509,8 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(src, rid, f"metrics.{k}: the pattern has no group named {g!r}")
         if raw.get("hint") and rtype != "context":
             raise _fail(src, rid, "`hint = true` is only for context rules")
+        if raw.get("entry") and not raw.get("hint"):
+            raise _fail(src, rid, "`entry = true` is only for hint rules (add `hint = true`)")
         facts = raw.get("facts", {})
         if facts and rtype != "context":
             raise _fail(src, rid, "`facts` is only for context rules")
@@ -471,9 +529,19 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(
                     src, rid, f"const.{a}: attributes are set with groups or `set`, not const"
                 )
-        priority = raw.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise _fail(src, rid, f"priority must be an integer, got {priority!r}")
+        if "priority" in raw:
+            raise _fail(
+                src,
+                rid,
+                f"`priority = {raw['priority']!r}` is no longer read: replace it with "
+                f'`tier = "{_tier_for(raw["priority"])}"` (specific, family or generic; within a '
+                "tier the rule listed first is tried first)",
+            )
+        tier = raw.get("tier", pack_tier)
+        if tier not in TIERS:
+            raise _fail(src, rid, f"tier must be one of {', '.join(TIERS)}; got {tier!r}")
+        if "tier" in raw and rtype != "event":
+            raise _fail(src, rid, "`tier` is only for event rules (context rules all apply)")
         nlines = raw.get("lines", 1)
         if not isinstance(nlines, int) or isinstance(nlines, bool) or not 1 <= nlines <= 20:
             raise _fail(src, rid, f"lines must be an integer from 1 to 20, got {nlines!r}")
@@ -488,6 +556,14 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
             raise _fail(
                 src, rid, f"max_chars must be an integer from 80 to {MAX_CHARS_MAX}: {max_chars!r}"
             )
+        opens, within = raw.get("opens"), raw.get("within")
+        for key, val, want in (("opens", opens, "context"), ("within", within, "event")):
+            if val is None:
+                continue
+            if rtype != want:
+                raise _fail(src, rid, f"`{key}` is only for {want} rules")
+            if not isinstance(val, str) or not val.isidentifier():
+                raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -513,12 +589,15 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 all_matches=bool(raw.get("all", False)),
                 examples=_examples(src, rid, raw.get("example")),
                 groups=groups,
-                priority=priority,
+                tier=tier,
                 lines=nlines,
                 alone=bool(raw.get("alone", False)),
                 progress=progress,
                 facts=dict(facts),
                 max_chars=max_chars,
+                entry=bool(raw.get("entry", False)),
+                opens=opens,
+                within=within,
             )
         )
 
@@ -532,11 +611,19 @@ def pack_files(dirs: Iterable[Path]) -> list[Path]:
     return files
 
 
-def load_rules(site_dirs: Sequence[str | Path] = (), *, builtin: bool = True) -> RuleSet:
-    """Load site packs (first: they may take a line before the shipped rules), then shipped ones."""
+def load_rules(
+    site_dirs: Sequence[str | Path] = (), *, builtin: bool = True, check: bool = True
+) -> RuleSet:
+    """Load site packs (first: they may take a line before the shipped rules), then shipped ones.
+
+    With ``check`` (the default), every example of the site packs must pass through its own
+    rule (``examples.py``), or the load fails naming the file, the rule and the example: a site
+    pack is configuration, and a rule that does not read its own lines is a broken one.
+    """
     from ..resources import data_dir
 
-    dirs = [Path(d) for d in site_dirs]
+    site = [Path(d) for d in site_dirs]
+    dirs = [*site]
     if builtin:
         dirs.append(data_dir("parsers"))
     rs = RuleSet()
@@ -547,4 +634,20 @@ def load_rules(site_dirs: Sequence[str | Path] = (), *, builtin: bool = True) ->
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
         _load_pack(f, data, seen, rs)
+    if check and site:
+        _check_site(rs, set(pack_files(site)))
     return rs
+
+
+def _check_site(rs: RuleSet, files: set[Path]) -> None:
+    from .examples import check_examples
+
+    items: list[Rule | Prefix] = [p for p in rs.prefixes if p.source in files]
+    items.extend(r for r in rs.rules if r.source in files)
+    failures = check_examples(rs, items) if items else []
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise RuleError(
+            f"{failures[0]}{more} (`nanwatch rules --check {failures[0].source.parent}` "
+            "lists every failing example)"
+        )

@@ -1,8 +1,9 @@
 """Timestamps in the layouts training stacks print, converted to RFC 3339 UTC.
 
 Naive timestamps are in the node's local time zone (``TZ`` applies), like the logs that carry
-them. Year-less layouts (glog ``E0325 20:57:27``, ``[10-12 14:07:33``) take the year of the
-file's modification time.
+them. Year-less layouts (glog ``E0325 20:57:27``, ``[10-12 14:07:33``) take the year that
+:func:`nanwatch.dates.infer_year` reads from the data: not after the file's modification time,
+and not before the stream's previous dated line (so a log across New Year rolls over forward).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import time as _time
 from typing import Any
 
+from ..dates import BACKSTEP, infer_year, local_epoch
 from ..events import format_utc
 
 # Searched within the first bytes of a line; the first layout that matches wins.
@@ -48,9 +50,21 @@ class TimeParser:
     catch-up scan, so the common layouts avoid ``groupdict`` and ``datetime`` formatting.
     """
 
-    __slots__ = ("_bases", "_cache", "_heads", "_last", "_minutes", "_old_heads", "default_year")
+    __slots__ = (
+        "_bases",
+        "_cache",
+        "_heads",
+        "_last",
+        "_minutes",
+        "_old_heads",
+        "_prev",
+        "_yearless",
+        "_yl",
+        "bound",
+        "default_year",
+    )
 
-    def __init__(self, default_year: int | None = None) -> None:
+    def __init__(self, default_year: int | None = None, bound: float | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
         self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
         # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
@@ -59,7 +73,20 @@ class TimeParser:
         self._old_heads: dict[bytes, str | None] = {}
         # the last head read as a whole second: (head, where its seconds are, minute's prefix)
         self._last: tuple[bytes, int, str] | None = None
-        self.default_year = default_year or _dt.date.today().year
+        # a fixed year (tests, replays); else inferred from ``bound`` (the data's upper bound,
+        # set per stream by :meth:`begin`) and the stream's previous dated line
+        self.default_year = default_year
+        self.bound = bound if bound is not None else _time.time()
+        self._prev: float | None = None
+        self._yearless = False  # the last parse used an inferred year (not cacheable by head)
+        self._yl: dict[bytes, str | None] = {}  # heads with an inferred year, this chunk only
+
+    def begin(self, bound: float, previous: str | None = None) -> None:
+        """Start reading a stream's chunk: its content is not later than ``bound`` (its mtime),
+        and its last dated line said ``previous`` (RFC 3339 UTC) when it said anything."""
+        self.bound = bound
+        self._prev = _rfc3339_epoch(previous) if previous else None
+        self._yl.clear()
 
     def _epoch(self, y: int, mo: int, d: int, h: int, mi: int) -> float | None:
         key = (y, mo, d, h, mi)
@@ -90,7 +117,7 @@ class TimeParser:
         m = _GLOG.match(head) or _SHORT.match(head)
         if not m:
             return None
-        return self._from_match(m, self.default_year)
+        return self._from_match(m, None)
 
     def parse_bytes(self, head: bytes) -> str | None:
         """:meth:`parse` of a line's head as read (no decoding for the common ASCII case)."""
@@ -98,7 +125,19 @@ class TimeParser:
         if got is _MISS:
             got = self._old_heads.get(head, _MISS)
             if got is _MISS:
+                got = self._yl.get(head, _MISS)
+                if got is not _MISS:
+                    yl: str | None = got
+                    return yl
+                self._yearless = False
                 got = self._next_second(head) or self._parse_bytes(head)
+                if self._yearless:
+                    # its year depends on the stream, not only on the bytes: remembered for
+                    # this chunk of this stream only
+                    if len(self._yl) < HEADS:
+                        self._yl[head] = got
+                    yl = got
+                    return yl
             if len(self._heads) >= HEADS:
                 self._old_heads, self._heads = self._heads, {}
             self._heads[head] = got
@@ -193,9 +232,21 @@ class TimeParser:
         frac: str | None,
         tz: str | None = None,
     ) -> str | None:
-        year = y if y is not None else self.default_year
         if not (1 <= mo <= 12 and 1 <= d <= 31 and h < 24 and mi < 60 and s < 62):
             return None
+        if y is not None:
+            year = y
+        elif self.default_year is not None:
+            year = self.default_year
+        else:
+            self._yearless = True
+            inferred = infer_year(mo, d, h, mi, s, bound=self.bound, previous=self._prev)
+            if inferred is None:
+                return None
+            year = inferred
+            t = local_epoch(year, mo, d, h, mi, s)
+            if t is not None and (self._prev is None or t > self._prev - BACKSTEP):
+                self._prev = t if self._prev is None else max(self._prev, t)
         fr = float("0." + frac) if frac else 0.0
         if tz:
             sign = 1 if tz[0] == "+" else -1
@@ -211,6 +262,7 @@ class TimeParser:
         return self._utc(base + s + fr)
 
     def _from_match(self, m: re.Match[str], year: int | None) -> str | None:
+        """A year-less layout's match (``year`` None: inferred)."""
         g = m.groupdict()
         return self.parse_fields(
             year,
@@ -222,3 +274,10 @@ class TimeParser:
             g.get("frac"),
             g.get("tz"),
         )
+
+
+def _rfc3339_epoch(text: str) -> float | None:
+    try:
+        return _dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -6,7 +6,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from ..render import render_incident_line, render_story
+from ..render import origin_text, render_incident_line, render_story
+
+
+def _cause(incident: Mapping[str, Any]) -> str:
+    """What a reader takes away as the root cause: where it started (a cause that only grows,
+    other ranks timing out after it, is an update, not a correction)."""
+    return origin_text(incident.get("origin") or {})
 
 
 class ConsoleSink:
@@ -15,6 +21,8 @@ class ConsoleSink:
     def __init__(self, stream: TextIO | None = None, *, color: bool | None = None) -> None:
         self.stream = stream or sys.stdout
         self.color = self.stream.isatty() if color is None else color
+        self._told: dict[int, str] = {}  # incident -> the root cause printed
+        self._last: dict[int, str] = {}  # incident -> the last line printed for it
 
     def delay(self, action: str) -> float:
         return 0.0
@@ -24,11 +32,25 @@ class ConsoleSink:
     ) -> Mapping[str, Any] | None:
         if not incident:
             return None
+        iid = int(incident["id"])
         action = row["action"]
-        if action == "open":
+        cause = _cause(incident)
+        told = self._told.get(iid)
+        if action == "open" or (told is not None and cause != told and action != "resolve"):
+            # a corrected root cause is told as fully as the first one: a one-line update
+            # would leave the wrong story on the screen
+            head = ""
+            if action != "open":
+                head = f"\n[corrected] #{iid}: the root cause changed (it was: {told})"
             text = render_story(incident, color=self.color, max_events=5)
-            self.stream.write(f"\n{text}\n")
+            self.stream.write(f"{head}\n{text}\n")
+            self._told[iid] = cause
+            self._last.pop(iid, None)
         else:
-            self.stream.write(render_incident_line(incident, prefix=action) + "\n")
+            line = render_incident_line(incident, prefix=action)
+            if self._last.get(iid) == line:
+                return None  # nothing a reader could tell apart from the line above
+            self.stream.write(line + "\n")
+            self._last[iid] = line
         self.stream.flush()
         return None

@@ -17,6 +17,7 @@ forget its wait on restart, while the outbox keeps it in SQLite.
 
 from __future__ import annotations
 
+import csv
 import fnmatch
 import http.client
 import logging
@@ -43,13 +44,26 @@ from .slack_api import (
     retry_after,
     slack_settings,
 )
-from .slack_text import follow_up, headline, merged_news, parent_blocks
+from .slack_text import details_text, follow_up, headline, merged_news, parent_blocks
 
 __all__ = ["PACE", "SlackSettings", "SlackSink", "slack_settings"]
+
+SERVICE_CONFIG = "/etc/nanwatch/nanwatch.toml"  # where read commands look without flags
 
 log = logging.getLogger("nanwatch.notify.slack")
 
 PACE = 1.0  # seconds between calls to one channel (Slack: about one message per second)
+
+
+def _csv_row(header: str, row: str) -> str:
+    """A monitor CSV row with its column names: ``name=...; shape=[80, 256]; nan_count=3``."""
+    try:
+        names, values = list(csv.reader([header.rstrip("\r"), row]))
+    except (csv.Error, ValueError):
+        return row
+    if len(names) != len(values):
+        return row
+    return "; ".join(f"{n}={v}" for n, v in zip(names, values) if v != "")
 
 
 class SlackSink:
@@ -57,7 +71,8 @@ class SlackSink:
 
     name = "slack"
     coalesce = True
-    solo_actions = ("plot",)  # the picture is its own step, retried on its own
+    # the thread's details and the picture are steps of their own, retried on their own
+    solo_actions = ("details", "plot")
     # best effort: a plot that failed this often is given up (the message is what matters)
     max_attempts: ClassVar[dict[str, int]] = {"plot": 5}
 
@@ -69,6 +84,7 @@ class SlackSink:
         timeout: float = 10.0,
         pace: float = PACE,
         plots: bool = True,
+        config_path: str | os.PathLike[str] | None = None,
     ) -> None:
         from slack_sdk import WebClient
         from slack_sdk.webhook import WebhookClient
@@ -78,6 +94,10 @@ class SlackSink:
         self.repeat_interval = self.alerts.repeat_interval
         self.pace = pace
         self.plots = plots
+        # `nanwatch show N` in a message finds the service's config by itself; another config
+        # is named in the command
+        where = os.fspath(config_path) if config_path else None
+        self.config_path = where if where and where != SERVICE_CONFIG else None
         self.calls = 0
         self.client: Any = None
         self.webhook: Any = None
@@ -141,6 +161,9 @@ class SlackSink:
             "SELECT root_event_id FROM incidents WHERE id=?", (incident_id,)
         ).fetchone()
         inc["_first_line"] = self._first_line(conn, root[0] if root else None)
+        inc["_root_where"] = self._where(conn, root[0] if root else None)
+        if self.config_path:
+            inc["_config"] = self.config_path
         if self._uid is None:
             got = conn.execute("SELECT value FROM meta WHERE key = 'uid'").fetchone()
             self._uid = str(got[0]) if got else ""
@@ -177,6 +200,21 @@ class SlackSink:
                 return str(cid)
         return None
 
+    @staticmethod
+    def _where(conn: sqlite3.Connection, event_id: int | None) -> str | None:
+        """``file:line`` of the root event (the file's name: the run names the folder)."""
+        if event_id is None:
+            return None
+        row = conn.execute(
+            "SELECT s.path, e.line FROM events e JOIN sources s ON s.id = e.source_id "
+            "WHERE e.id = ?",
+            (event_id,),
+        ).fetchone()
+        if row is None or not row[0]:
+            return None
+        name = os.path.basename(str(row[0]))
+        return f"{name}:{row[1]}" if row[1] is not None else name
+
     def _first_line(self, conn: sqlite3.Connection, event_id: int | None) -> str | None:
         if event_id is None:
             return None
@@ -197,7 +235,13 @@ class SlackSink:
                     with open(path, "rb") as f:
                         f.seek(offset)
                         data = f.read(4096)
+                        head = b""
+                        if path.endswith(".csv") and offset > 0:
+                            f.seek(0)
+                            head = f.read(4096).split(b"\n", 1)[0]
                     line = data.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
+                    if head:
+                        line = _csv_row(head.decode("utf-8", "replace"), line)
             except OSError:
                 line = None
         self._lines[event_id] = line or None
@@ -213,6 +257,8 @@ class SlackSink:
         iid = int(row["incident_id"])
         if row["action"] == "plot":
             return self._attach_plot(incident)
+        if row["action"] == "details":
+            return self._details(incident)
         rows = [row, *row.get("absorbed", [])]
         actions = {str(r["action"]) for r in rows}
         message: Mapping[str, Any] | None = self._posted.get(iid) or incident.get("_message")
@@ -278,9 +324,18 @@ class SlackSink:
             self._learn_id(channel, channel_id)
             self._posted[iid] = message
         self._last_sent[iid] = time.time()
-        if self.plots and self.client is not None:
-            return {"message": message, "then": ["plot"]}
-        return {"message": message}
+        if self.client is None:
+            return {"message": message}  # a webhook has no thread: `nanwatch show` tells the rest
+        return {"message": message, "then": ["details", "plot"] if self.plots else ["details"]}
+
+    def _details(self, inc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The rest of the story (origin, first log line, every known cause) in the thread."""
+        text = details_text(inc, first_line=inc.get("_first_line"))
+        message = self._posted.get(int(inc["id"])) or inc.get("_message")
+        if not message or not message.get("ts"):
+            return None
+        self._post(str(message["channel"]), text=text, blocks=None, thread_ts=str(message["ts"]))
+        return None
 
     def _posted_before(
         self, channel: str, inc: Mapping[str, Any], due: float

@@ -12,7 +12,6 @@ import http.client
 import logging
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, Config
+from ..config import read_secret_file as read_secret
 from ..errors import ConfigError, DeliveryError
 
 log = logging.getLogger("nanwatch.notify.slack")
@@ -82,44 +82,6 @@ class SlackSettings:
 
 def _where(config: Config) -> str:
     return f"{config.path or '<config>'}: [slack]"
-
-
-def read_secret(path: str, *, key: str, what: str, where: str) -> str:
-    """A secret from a file that only its owner may read; ConfigError naming key and fix."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{where} {key} = {path!r}: no such file; write the {what} there "
-            f"(one line, then chmod 600 {path}) or fix {key}"
-        ) from None
-    except OSError as e:
-        raise ConfigError(f"{where} {key} = {path!r}: cannot stat it ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{where} {key} = {path!r}: not a regular file; point {key} at the file")
-    if st.st_mode & 0o066:
-        raise ConfigError(
-            f"{where} {key} = {path!r}: the {what} file is readable or writable by group or "
-            f"others (mode {stat.S_IMODE(st.st_mode):04o}); it is a secret: chmod 600 {path}"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-    except PermissionError:
-        raise ConfigError(
-            f"{where} {key} = {path!r}: this user (uid {os.getuid()}) cannot read the {what} "
-            f"file; chown it to the user nanwatch runs as (mode 600)"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where} {key} = {path!r}: cannot read the {what} ({e})") from None
-    if not value:
-        raise ConfigError(f"{where} {key} = {path!r}: the file is empty; write the {what} into it")
-    if any(c.isspace() for c in value):
-        raise ConfigError(
-            f"{where} {key} = {path!r}: the file holds more than one word; it must hold only "
-            f"the {what}"
-        )
-    return value
 
 
 def _credential(name: str) -> str | None:

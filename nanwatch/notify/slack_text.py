@@ -47,8 +47,9 @@ def _more(iid: Any) -> str:
 
 
 def _code(text: str, limit: int, iid: Any) -> str:
-    # backticks in a log line would end the code block early
-    body = escape(text).replace("`", "'")
+    # a backtick would end the code block early; its stand-in must not be a quote either: the
+    # block may hold a suggested shell command, and a ' there would undo its quoting
+    body = escape(text).replace("`", "\u02cb")
     return _FENCE + clip(body, limit - 2 * len(_FENCE), _more(iid)) + _FENCE
 
 
@@ -95,69 +96,165 @@ def headline(inc: Mapping[str, Any]) -> str:
     return clip(text, FALLBACK_MAX, _more(iid))
 
 
+# The parent is read on a phone at 3 a.m.: what, where, why and the next command, in at most
+# this many visible characters (header, sections and context together); the rest is the thread's.
+PARENT_VISIBLE = 800
+_SEVERITY_ICON = {"critical": ":red_circle:", "warning": ":large_orange_circle:"}
+_RUN_SUFFIX = re.compile(r" \(run [^()]*\)$")
+
+
+def visible_chars(blocks: Sequence[Mapping[str, Any]]) -> int:
+    """Characters a reader sees in Block Kit blocks (entities count as one)."""
+    n = 0
+    for b in blocks:
+        texts = [b.get("text"), *(b.get("fields") or ()), *(b.get("elements") or ())]
+        for t in texts:
+            if isinstance(t, Mapping):
+                body = str(t.get("text", ""))
+                n += len(body) - 3 * body.count("&lt;") - 3 * body.count("&gt;")
+                n -= 4 * body.count("&amp;")
+    return n
+
+
+def short_run(run: object, limit: int = 48) -> str:
+    """A run name cut from the left at a path boundary: the launch is what tells runs apart."""
+    text = str(run or "-")
+    if len(text) <= limit:
+        return text
+    parts = text.split("/")
+    while len(parts) > 1 and len("…/" + "/".join(parts)) > limit:
+        parts.pop(0)
+    tail = "/".join(parts)
+    return "…/" + tail if len(tail) + 2 <= limit else "…" + tail[-(limit - 1) :]
+
+
+def _root_cause(inc: Mapping[str, Any]) -> str:
+    """The root cause in a sentence: the correlator's, else one from the origin's fields."""
+    detail = inc.get("detail") or {}
+    if detail.get("root_cause"):
+        return str(detail["root_cause"])
+    o = inc.get("origin") or {}
+    if inc.get("kind") == "slowdown" and o.get("baseline") and o.get("current"):
+        against = f"the previous run {o['against']}" if o.get("against") else "its own first steps"
+        return (
+            f"step time {o['baseline']:.3g} s -> {o['current']:.3g} s "
+            f"({o.get('ratio') or o['current'] / o['baseline']:.3g}x) against {against}"
+        )
+    return origin_text(o)
+
+
+def _next_commands(inc: Mapping[str, Any], limit: int = 2) -> list[str]:
+    """The first command of each of the first known causes (the thread has them all)."""
+    out: list[str] = []
+    for h in inc.get("hints") or []:
+        commands = [str(c) for c in h.get("commands") or []]
+        if commands and commands[0] not in out:
+            out.append(commands[0])
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _show_command(inc: Mapping[str, Any]) -> str:
+    cmd = f"nanwatch show {inc.get('id')}"
+    if inc.get("_config"):
+        cmd += f" --config {inc['_config']}"
+    return cmd
+
+
+def _people(inc: Mapping[str, Any]) -> str:
+    """Who acknowledged or resolved it, and when (`nanwatch ack` / `nanwatch resolve`)."""
+    if inc.get("resolved_by"):
+        return f"resolved by {inc['resolved_by']} at {inc.get('resolved_at') or '-'}"
+    if inc.get("acked_by"):
+        return f"acknowledged by {inc['acked_by']} at {inc.get('acked_at') or '-'}"
+    return ""
+
+
 def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> list[dict[str, Any]]:
-    """The incident's parent message: what, where, root cause and origin, top hint, more."""
+    """The incident's parent message: what, where, root cause and the next command.
+
+    At most :data:`PARENT_VISIBLE` visible characters; the origin in full, the first line of the
+    log and every known cause go to the thread (:func:`details_text`). ``first_line`` is kept
+    for callers of the older signature and shown only as the log's ``file:line``.
+    """
+    del first_line  # the line itself is the thread's
     iid = inc.get("id")
-    more = _more(iid)
-    head = _state(inc) + f"#{iid} {inc.get('title', '')}"
+    title = _RUN_SUFFIX.sub("", str(inc.get("title", "")))
+    severity = str(inc.get("severity") or "")
+    icon = _ICONS.get(str(inc.get("status"))) or _SEVERITY_ICON.get(severity, ":rotating_light:")
+    head = f"{_state(inc)}#{iid} {title}"
     blocks: list[dict[str, Any]] = [
         {
             "type": "header",
-            "text": {"type": "plain_text", "text": clip(escape(head), HEADER_MAX), "emoji": False},
+            "text": {"type": "plain_text", "text": clip(escape(head), 110), "emoji": False},
         }
     ]
-    fields = [
-        ("Status", f"{status_icon(inc)} {inc.get('status', 'open')} ({inc.get('kind', '')})"),
-        ("Run", inc.get("run") or "-"),
-        ("Host", inc.get("node") or "-"),
-        ("Ranks", ranks_text(inc.get("ranks") or [])),
-        ("Events", str(inc.get("event_count", 0))),
-        ("Seen", f"{inc.get('first_time') or '-'} .. {inc.get('last_time') or '-'}"),
-    ]
-    blocks.append(
-        {
-            "type": "section",
-            "fields": [
-                _mrkdwn(f"*{name}*\n" + clip(escape(value), FIELD_MAX - len(name) - 3, more))
-                for name, value in fields[:FIELDS_MAX]
-            ],
-        }
+    o = inc.get("origin") or {}
+    where = [f"run `{escape(short_run(inc.get('run')))}`"]
+    if inc.get("node"):
+        where.append(f"host `{clip(escape(inc['node']), 40)}`")
+    if o.get("rank") is not None:
+        where.append(f"rank {escape(o['rank'])}")
+    if inc.get("_root_where"):
+        where.append(f"`{clip(escape(inc['_root_where']), 60)}`")
+    what = f"{icon} *{escape(inc.get('kind', ''))}*"
+    if severity:
+        what += f" · {escape(severity)}"
+    ack = inc.get("_ack") or _people(inc)
+    if ack:
+        what += " · " + clip(escape(ack), 90)
+    lines = [what + " · " + " · ".join(where)]
+    lines.append("*Root cause:* " + clip(escape(_root_cause(inc)), 260))
+    budget = 720 - visible_chars(blocks) - sum(len(x) for x in lines)
+    for cmd in _next_commands(inc):
+        # a backtick would end the code span; a quote would change what the pasted command does
+        body = escape(cmd).replace("`", "\u02cb")
+        room = min(200, budget - 12)
+        if room < 40:
+            break
+        line = f"*Next:* `{clip(body, room)}`"
+        lines.append(line)
+        budget -= len(line)
+    blocks.append(_section("\n".join(lines)))
+    seen = inc.get("first_time") or "-"
+    ranks = clip(escape(ranks_text(inc.get("ranks") or [])), 40)
+    footer = (
+        f"`{escape(_show_command(inc))}` · {inc.get('event_count', 0)} events · ranks {ranks}"
+        f" · since {escape(seen)}"
     )
-    detail = inc.get("detail") or {}
-    origin = inc.get("origin") or {}
-    cause = []
-    if detail.get("root_cause"):
-        cause.append("*Root cause:* " + escape(detail["root_cause"]))
-    cause.append("*Origin:* " + escape(origin_text(origin)))
-    fp = origin.get("first_param")
+    if inc.get("updated_at"):
+        footer += f" · updated {escape(inc['updated_at'])}"
+    room = PARENT_VISIBLE - visible_chars(blocks)
+    blocks.append({"type": "context", "elements": [_mrkdwn(clip(footer, max(40, room), ""))]})
+    return blocks
+
+
+def details_text(inc: Mapping[str, Any], *, first_line: str | None = None) -> str:
+    """The thread's first reply: the origin in full, the log's first line, every known cause."""
+    iid = inc.get("id")
+    more = _more(iid)
+    o = inc.get("origin") or {}
+    parts = ["*Origin:* " + clip(escape(origin_text(o)), 600, more)]
+    fp = o.get("first_param")
     if fp:
-        cause.append(
+        parts.append(
             "*First parameter gradient non-finite:* "
             + escape(f"{fp.get('tensor')} ({fp.get('tag')}, shape {fp.get('shape')})")
         )
-    blocks.append(_section(clip("\n".join(cause), SECTION_MAX, more)))
     if first_line:
-        label = "*First sign in the log:*\n"
-        blocks.append(_section(label + _code(first_line, SECTION_MAX - len(label), iid)))
-    hints = inc.get("hints") or []
-    if hints:
-        h = hints[0]
+        where = f" ({escape(inc['_root_where'])})" if inc.get("_root_where") else ""
+        parts.append(f"*First sign in the log{where}:*\n" + _code(first_line, 900, iid))
+    for h in inc.get("hints") or []:
         text = f"*Known cause:* {escape(h.get('title', ''))}"
-        # knowledge-base text is wrapped for terminals; Slack wraps by itself
         body = _SOFT_BREAK.sub(" ", str(h.get("text") or "").strip())
         if body:
             text += "\n" + clip(escape(body), HINT_MAX, more)
-        commands = [str(c) for c in h.get("commands") or []]
-        if commands:
-            text += "\n" + _code(commands[0], SECTION_MAX - len(text) - 1, iid)
-        if len(hints) > 1:
-            text += f"\n_{len(hints) - 1} more known cause(s): nanwatch show {iid}_"
-        blocks.append(_section(clip(text, SECTION_MAX, more)))
-    footer = f"More: `nanwatch show {iid}`"
-    if inc.get("updated_at"):
-        footer += f"  ·  updated {escape(inc['updated_at'])}"
-    blocks.append({"type": "context", "elements": [_mrkdwn(clip(footer, CONTEXT_MAX))]})
-    return blocks
+        for c in [str(c) for c in h.get("commands") or []][:3]:
+            text += "\n" + _code(c, 400, iid)
+        parts.append(text)
+    parts.append(f"_Everything: `{escape(_show_command(inc))}`_")
+    return clip("\n\n".join(parts), SECTION_MAX, more)
 
 
 def merged_news(rows: Iterable[Mapping[str, Any]]) -> list[str]:

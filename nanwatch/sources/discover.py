@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import os
@@ -72,6 +73,8 @@ class Root:
     spec: str
     path: str  # absolute; a glob pattern for kind == "glob"
     kind: str  # file | dir | glob
+    # named before it existed: it becomes a file or a folder root, whichever appears there
+    late: bool = False
 
     def contains(self, path: str) -> bool:
         if self.kind == "file":
@@ -104,13 +107,32 @@ def make_roots(specs: list[str], *, must_exist: bool = True) -> list[Root]:
             roots.append(Root(spec, absolute, "glob"))
         elif os.path.isdir(absolute):
             roots.append(Root(spec, absolute.rstrip("/") or "/", "dir"))
-        elif os.path.isfile(absolute) or not must_exist:
+        elif os.path.isfile(absolute):
             roots.append(Root(spec, absolute, "file"))
+        elif not must_exist:
+            late = not os.path.exists(absolute)
+            roots.append(Root(spec, absolute.rstrip("/") or "/", "file", late=late))
         elif os.path.exists(absolute):
             raise SourceError(f"{spec}: not a regular file or directory; pass log files or folders")
         else:
             raise SourceError(f"{spec}: no such file or directory; check the path")
     return roots
+
+
+def settle_roots(roots: list[Root]) -> bool:
+    """Give late roots the kind of what appeared at their path; True if one changed.
+
+    In place: the tracker and the watcher hold this very list. A job's work_dir named in the
+    config before the job made it is a folder root from the moment it exists."""
+    changed = False
+    for i, r in enumerate(roots):
+        if not r.late:
+            continue
+        kind = "dir" if os.path.isdir(r.path) else "file" if os.path.exists(r.path) else r.kind
+        if kind != r.kind:
+            roots[i] = dataclasses.replace(r, kind=kind)
+            changed = True
+    return changed
 
 
 def walk(root: Root) -> Iterator[str]:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..dates import infer_year, zoned_epoch
 from ..events import TAGS
 
 # msprobe matches its own folders with `([\w-]{0,20})-rank(\d{1,5})-`; the time is '%b%d_%H-%M-%S'
@@ -40,6 +41,7 @@ V2_FAMILIES = frozenset(("module", "weight_grad", "optimizer", "param"))
 V2_OTHER = frozenset(("cc",))
 
 _SHANGHAI = _dt.timezone(_dt.timedelta(hours=8))
+_shanghai_epoch = zoned_epoch(_SHANGHAI)
 _MONTH_NAMES = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 _MONTHS = {m: i for i, m in enumerate(_MONTH_NAMES, 1)}
 
@@ -116,10 +118,11 @@ def classify(path: str) -> MonitorFile | None:
     return None
 
 
-def folder_time(name: str, year: int | None = None) -> float | None:
+def folder_time(name: str, bound: float) -> float | None:
     """Start time (epoch seconds) of a V1 rank folder ``Nov30_15-48-51-rank1-de3ab572``.
 
-    The name has no year: the given one, else the year that puts it closest to now.
+    The name has no year: the one :func:`nanwatch.dates.infer_year` gives for a folder that was
+    created before ``bound`` (its mtime: msprobe writes into it after naming it).
     """
     m = RANK_DIR.match(name)
     if m is None:
@@ -129,14 +132,5 @@ def folder_time(name: str, year: int | None = None) -> float | None:
     if month is None:
         return None
     day, hh, mm, ss = int(ts[3:5]), int(ts[6:8]), int(ts[9:11]), int(ts[12:14])
-    now = _dt.datetime.now(_SHANGHAI)
-    years = [year] if year is not None else [now.year - 1, now.year, now.year + 1]
-    best: float | None = None
-    for y in years:
-        try:
-            t = _dt.datetime(y, month, day, hh, mm, ss, tzinfo=_SHANGHAI).timestamp()
-        except ValueError:
-            continue
-        if best is None or abs(t - now.timestamp()) < abs(best - now.timestamp()):
-            best = t
-    return best
+    year = infer_year(month, day, hh, mm, ss, bound=bound, epoch=_shanghai_epoch)
+    return None if year is None else _shanghai_epoch(year, month, day, hh, mm, ss)

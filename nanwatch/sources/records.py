@@ -71,6 +71,11 @@ def holds(fd: int, size: int, other: SourceRecord) -> bool:
     return digest(tail) == other.tail_hash
 
 
+def link_target(path: str) -> str | None:
+    """The resolved path when ``path`` itself is a symlink, else None."""
+    return os.path.realpath(path) if os.path.islink(path) else None
+
+
 def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
@@ -100,6 +105,8 @@ class SourceRecord:
     copy_of: SourceRecord | None = None
     unjudged: bool = False  # an empty file with a rotated name: a copy may still be written in
     resumed: bool = False  # took its twin's offset: to be stored even though nothing was read
+    # the file a symlink's name leads to: writes there are not seen through the link's folder
+    target: str | None = None
     fd: int | None = None
 
     @property

@@ -112,8 +112,10 @@ def launch_clusters(folder: str) -> list[tuple[float, str]]:
     try:
         for e in os.scandir(folder):
             m = RANK_DIR.match(e.name)
-            t = folder_time(e.name) if m else None
-            if m and t is not None and e.is_dir():
+            if not m or not e.is_dir():
+                continue
+            t = folder_time(e.name, e.stat().st_mtime)
+            if t is not None:
                 found.append((t, int(m["rank"]), e.name))
     except OSError:
         return []
@@ -132,7 +134,10 @@ def launch_clusters(folder: str) -> list[tuple[float, str]]:
 
 
 def _launch_of(folder: str, name: str) -> int:
-    t = folder_time(name)
+    try:
+        t = folder_time(name, os.stat(os.path.join(folder, name)).st_mtime)
+    except OSError:
+        t = None
     clusters = launch_clusters(folder)
     idx = 0
     for i, (start, _) in enumerate(clusters):

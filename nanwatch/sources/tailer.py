@@ -7,16 +7,18 @@ changed, starts a new generation from 0. Rotated copies are judged in ``copies``
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 from ..stream import StreamState
 from .copies import CopyJudge
-from .discover import Root, rank_from_path, sniff_bytes, walk
-from .records import HEAD, TAIL, Chunk, SourceRecord, digest
+from .discover import Root, rank_from_path, settle_roots, sniff_bytes, walk
+from .records import HEAD, TAIL, Chunk, SourceRecord, digest, link_target
 
 log = logging.getLogger("nanwatch.sources")
 
@@ -62,6 +64,7 @@ class Tracker(CopyJudge):
         }
         for rec in known:
             if rec.status == "active":
+                rec.target = link_target(rec.path)
                 self.records[rec.key] = rec
             else:
                 self.retired.append(rec)
@@ -76,6 +79,7 @@ class Tracker(CopyJudge):
 
     def discover(self) -> list[SourceRecord]:
         """Walk every root; start records for new files; notice renames, truncations, deletions."""
+        settle_roots(self.roots)
         seen: set[tuple[int, int]] = set()
         new: list[SourceRecord] = []
         for root in self.roots:
@@ -104,6 +108,7 @@ class Tracker(CopyJudge):
                         self.counters["rotations"] += 1
                         rec.path = path
                         rec.renamed = True
+                        rec.target = link_target(path)
                     continue
                 if key in self.ignored:
                     continue
@@ -154,6 +159,7 @@ class Tracker(CopyJudge):
             gen=self._gen(st.st_dev, st.st_ino),
         )
         rec.state.rank = rank_from_path(path, root.base)
+        rec.target = link_target(path)
         rec.fd = fd
         self._remember_fd(rec)
         self._place(rec, fd, size, wait=self.live)
@@ -165,6 +171,51 @@ class Tracker(CopyJudge):
             rec.run_id = self.assign_run(root, path)
         self.records[key] = rec
         return rec
+
+    def touched(self, paths: Iterable[str]) -> set[str]:
+        """The followed paths that the watcher's touched paths stand for.
+
+        A symlink's target stands for the link. A file not followed yet is looked at now
+        rather than at the next walk: made readable (chmod is an attribute change, not a
+        creation), or its creation was missed."""
+        wanted = set(paths)
+        if not wanted:
+            return wanted
+        followed = {rec.path for rec in self.records.values()}
+        links: dict[str, list[str]] = {}
+        for rec in self.records.values():
+            if rec.target is not None:
+                links.setdefault(rec.target, []).append(rec.path)
+        out = set(wanted)
+        for path in wanted:
+            if path in followed:
+                continue
+            if path in links:
+                out.update(links[path])
+            else:
+                self._adopt(path)
+        return out
+
+    def _adopt(self, path: str) -> SourceRecord | None:
+        root = self.root_for(path)
+        if root is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode) or key in self.records or key in self.ignored:
+            return None
+        return self._new_file(root, path, st)
+
+    def link_dirs(self) -> set[str]:
+        """Folders holding the targets of followed symlinks."""
+        return {
+            os.path.dirname(rec.target)
+            for rec in self.records.values()
+            if rec.target is not None and rec.status == "active"
+        }
 
     def _same_bytes(self, rec: SourceRecord, path: str) -> bool:
         """Does ``path`` still hold the bytes ``rec`` read before its offset?"""
@@ -333,6 +384,15 @@ class Tracker(CopyJudge):
                 return
             if not data:
                 return
+            if not cutting and data[:1] == b"\0":
+                # a hole: a writer without O_APPEND goes on at its old offset after
+                # copytruncate, and the bytes before it read back as NULs; they are no line
+                skip = self._hole(fd, offset, data)
+                if skip is None:
+                    return  # NULs up to the end: maybe bytes still being written, wait
+                offset += skip
+                yield self._chunk(rec, b"", offset - skip, offset, head_hash, head_len, False)
+                continue
             start = offset
             skipped = 0
             if cutting:
@@ -396,6 +456,22 @@ class Tracker(CopyJudge):
                     rec, rest + b"\n", offset, offset, None, head_hash, head_len, False, 0, True
                 )
                 return
+
+    def _hole(self, fd: int, offset: int, data: bytes) -> int | None:
+        """How many NUL bytes to skip at ``offset`` (``data`` read there): the run up to the
+        next byte of text, or None when nothing but NULs follows yet."""
+        run = len(data) - len(data.lstrip(b"\0"))
+        if run < len(data):
+            return run
+        if len(data) < self.read_chunk:
+            return None
+        try:
+            # a sparse hole is skipped whole; a run of written zeros, a chunk at a time
+            after = os.lseek(fd, offset + run, os.SEEK_DATA)
+        except OSError as e:
+            # ENXIO: only a hole follows (the writer's bytes are still to come)
+            return None if e.errno == errno.ENXIO else run
+        return max(run, after - offset)
 
     def _head(self, fd: int) -> tuple[str | None, int]:
         try:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from .discover import Root
+from .discover import Root, settle_roots
 
 log = logging.getLogger("nanwatch.sources")
 
@@ -27,6 +28,11 @@ class _StopRace(logging.Filter):
 
 
 logging.getLogger("watchdog.observers.inotify").addFilter(_StopRace())
+# a folder created while its parent's recursive watch is being set up gets its watch twice;
+# watchdog warns and keeps one (the same callback): nothing to tell anyone
+warnings.filterwarnings(
+    "ignore", message="Callback with id", category=RuntimeWarning, module="watchdog"
+)
 
 NETWORK_FS = {
     "nfs",
@@ -82,6 +88,7 @@ def choose_mode(
 
 
 _IGNORED = {"opened", "closed_no_write"}
+MAX_LINK_DIRS = 64
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -142,6 +149,9 @@ class Watcher:
         self._structural = False
         self._observer: Any = None
         self._watches: dict[str, tuple[Any, tuple[int, int] | None]] = {}
+        # folders of symlinks' targets outside the roots (one inotify instance each)
+        self._extra: dict[str, Any] = {}
+        self._extra_dirs: frozenset[str] = frozenset()
 
     def start(self) -> bool:
         """Start inotify watches; False when the system refuses (limits): the caller polls."""
@@ -175,26 +185,44 @@ class Watcher:
     def _schedule_all(self) -> bool:
         """Watch each root's folder; a missing one through its nearest existing parent (to see
         it appear); a folder replaced by another (moved away and recreated) is watched again."""
+        settle_roots(self.roots)
         ok = True
         for r in self.roots:
-            target, recursive = self._target(r)
-            ident = _identity(target)
-            known = self._watches.get(target)
-            if known is not None and known[1] == ident:
-                continue
-            if known is not None:
+            # `mkdir -p` may make the next folder down before the watch on its parent is in
+            # place: look again after each new watch until the nearest folder stays the same
+            for _ in range(64):
+                target, recursive = self._target(r)
+                ident = _identity(target)
+                known = self._watches.get(target)
+                if known is not None and known[1] == ident:
+                    break
+                if known is not None:
+                    try:
+                        self._observer.unschedule(known[0])
+                    except (KeyError, OSError, ValueError):
+                        pass
                 try:
-                    self._observer.unschedule(known[0])
-                except (KeyError, OSError, ValueError):
-                    pass
-            try:
-                watch = self._observer.schedule(self._handler, target, recursive=recursive)
-            except OSError as e:
-                log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
-                ok = False
-                continue
-            self._watches[target] = (watch, ident)
+                    watch = self._observer.schedule(self._handler, target, recursive=recursive)
+                except OSError as e:
+                    log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
+                    ok = False
+                    break
+                self._watches[target] = (watch, ident)
+                if r.late:
+                    settle_roots(self.roots)
+                    r = next((x for x in self.roots if x.spec == r.spec and x.path == r.path), r)
+        self._drop_unwanted()
         return ok
+
+    def _drop_unwanted(self) -> None:
+        """Forget the parents watched while a root was missing: their other children's
+        comings and goings would make every pass a full walk."""
+        wanted = {self._target(r)[0] for r in self.roots}
+        for target in [t for t in self._watches if t not in wanted]:
+            try:
+                self._observer.unschedule(self._watches.pop(target)[0])
+            except (KeyError, OSError, ValueError):
+                pass
 
     @property
     def watched(self) -> set[str]:
@@ -212,13 +240,44 @@ class Watcher:
         """
         if self._observer is None:
             return self.start()
-        wanted = {self._target(r)[0] for r in self.roots}
-        for target in [t for t in self._watches if t not in wanted]:
+        return self._schedule_all()
+
+    def follow(self, dirs: set[str]) -> None:
+        """Also watch these folders (non-recursively): a symlink's target is written where
+        it lives, and no event for it comes from the folder holding the link."""
+        if self._observer is None:
+            return
+        wanted = sorted(d for d in dirs if not self._covered(d))
+        if len(wanted) > MAX_LINK_DIRS:
+            if len(self._extra) < MAX_LINK_DIRS:
+                log.info(
+                    "symlinks lead into %d folders; watching %d, the rest is found by the "
+                    "periodic rescan",
+                    len(wanted),
+                    MAX_LINK_DIRS,
+                )
+            wanted = wanted[:MAX_LINK_DIRS]
+        for d in [d for d in self._extra if d not in wanted]:
             try:
-                self._observer.unschedule(self._watches.pop(target)[0])
+                self._observer.unschedule(self._extra.pop(d))
             except (KeyError, OSError, ValueError):
                 pass
-        return self._schedule_all()
+        for d in wanted:
+            if d in self._extra:
+                continue
+            try:
+                self._extra[d] = self._observer.schedule(self._handler, d, recursive=False)
+            except OSError as e:
+                log.debug("%s: cannot watch a link target's folder (%s)", d, e)
+        self._extra_dirs = frozenset(self._extra)
+
+    def _covered(self, d: str) -> bool:
+        for target, (watch, _) in self._watches.items():
+            if d == target:
+                return True
+            if getattr(watch, "is_recursive", False) and d.startswith(target.rstrip("/") + "/"):
+                return True
+        return False
 
     @staticmethod
     def _target(r: Root) -> tuple[str, bool]:
@@ -232,12 +291,15 @@ class Watcher:
         etype = getattr(event, "event_type", "")
         if etype in _IGNORED:
             return  # our own reads show up as opened/closed_no_write: never wake on them
-        paths = [getattr(event, "src_path", None), getattr(event, "dest_path", None)]
+        ends = (getattr(event, "src_path", None), getattr(event, "dest_path", None))
+        paths = [os.fsdecode(p) for p in ends if p]
+        # in a link target's folder only the targets matter; the roots' tree did not change
+        extra = bool(paths) and all(os.path.dirname(p) in self._extra_dirs for p in paths)
         with self._lock:
-            for p in paths:
-                if p:
-                    self._dirty.add(os.fsdecode(p))
-            if etype in ("created", "moved", "deleted") or getattr(event, "is_directory", False):
+            self._dirty.update(paths)
+            if not extra and (
+                etype in ("created", "moved", "deleted") or getattr(event, "is_directory", False)
+            ):
                 self._structural = True
         self.wake.set()
 

@@ -9,6 +9,7 @@ the same event rows (invariants 1 and 2). FULL would add an fsync per commit for
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -20,9 +21,11 @@ from typing import Any
 
 from ..errors import StoreError
 from ..events import Event, now_utc
+from . import files
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
+log = logging.getLogger("nanwatch.store")
 _TIMESTAMP_LAUNCH = re.compile(r"(?:^|/)\d{8}_\d{6}$")  # mmengine's launch folders
 
 EVENT_COLUMNS = (
@@ -34,14 +37,60 @@ EVENT_COLUMNS = (
 _EVENT_KEYS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))
 
 
+def recovery_steps(path: Path | str) -> str:
+    """What to do with a damaged database file (``doctor`` and every error say the same)."""
+    return (
+        f"stop nanwatch, move the file aside (mv {path} {path}.bad), then either start afresh "
+        f"(offsets restart, logs are read again) or salvage it with: "
+        f"sqlite3 {path}.bad .recover | sqlite3 {path}"
+    )
+
+
+def is_damage(e: BaseException) -> bool:
+    """SQLite's own words for a corrupt file (SQLITE_CORRUPT, SQLITE_NOTADB)."""
+    msg = str(e)
+    return isinstance(e, sqlite3.DatabaseError) and ("not a database" in msg or "malformed" in msg)
+
+
+def damaged(path: Path | str, what: str) -> StoreError:
+    return StoreError(
+        f"{path}: the database is damaged ({what}). Recovery: {recovery_steps(path)}",
+        damaged=True,
+    )
+
+
+# The check at open reads every page once; on a very large file it stops after this long and
+# the open goes on (a damaged page met later is still reported, then, by the pass that meets it).
+_CHECKED: set[str] = set()  # databases this process's writer checked at open
+CHECK_BUDGET = 10.0  # seconds, for the writer (`watch`, `scan`)
+READ_CHECK_BUDGET = 1.0  # seconds, for read commands, which should answer at once
+
+
+def check_integrity(conn: sqlite3.Connection, path: Path, budget: float) -> bool:
+    """``PRAGMA quick_check`` bounded by ``budget`` seconds: raise the damaged StoreError when
+    it finds a problem; False when it ran out of time (unchecked), True when intact."""
+    deadline = time.monotonic() + budget
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10000)
+    try:
+        rows = conn.execute("PRAGMA quick_check(3)").fetchall()
+    except sqlite3.OperationalError as e:
+        if "interrupt" in str(e):
+            return False
+        raise
+    except sqlite3.DatabaseError as e:
+        raise damaged(path, str(e)) from None
+    finally:
+        conn.set_progress_handler(None, 0)
+    problems = [" ".join(str(r[0]).split()) for r in rows if r and r[0] != "ok"]
+    if problems:
+        raise damaged(path, "; ".join(problems[:2])[:300])
+    return True
+
+
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
     msg = str(e)
-    if "not a database" in msg or "malformed" in msg:
-        return StoreError(
-            f"{path}: the database is damaged ({msg}). Recovery: stop nanwatch, move the file "
-            f"aside (mv {path} {path}.bad), then either start afresh (offsets restart, logs are "
-            f"read again) or salvage it with: sqlite3 {path}.bad .recover | sqlite3 {path}"
-        )
+    if is_damage(e):
+        return damaged(path, msg)
     if "locked" in msg or "busy" in msg:
         return StoreError(
             f"{path}: the database is locked by another writer ({msg}); only one `nanwatch "
@@ -58,32 +107,44 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 
 
 class WriterLock:
-    """One writing process per database: ``<db>.lock`` held with flock while it writes."""
+    """One writing process per database: an flock on the database file itself.
 
-    def __init__(self, db_path: Path) -> None:
-        self.path = Path(str(db_path) + ".lock")
+    Keyed on the file, not its name: a symlink, a hard link, a bind mount or a relative path
+    to a database being written is refused (a second writer through a hard link keeps its own
+    WAL and damages the file). flock does not meet SQLite's own fcntl byte-range locks on a
+    local filesystem, so readers are never blocked. The descriptor is closed only after the
+    connection: closing any descriptor of a file drops the process's fcntl locks on it."""
+
+    def __init__(self, db_path: Path, mode: int = 0o600) -> None:
+        self.path = db_path
+        self.mode = mode  # when the lock creates the database file
         self.fd: int | None = None
 
     def acquire(self) -> None:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            # an empty file is an empty database to SQLite: creating it here changes nothing
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), self.mode)
         except OSError as e:
-            raise StoreError(f"{self.path}: cannot create the lock file ({e.strerror})") from None
+            raise StoreError(
+                f"{self.path}: cannot open the database for writing ({e.strerror}); check the "
+                "folder's permissions or pass another --db"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
+            holder = _flock_holder(st.st_dev, st.st_ino)
+            who = f"pid {holder}" if holder is not None else "pid unknown"
             raise StoreError(
-                f"{self.path.with_suffix('')}: another nanwatch process (pid {holder}) is "
-                "writing this database; stop it, or pass another --db"
+                f"{self.path}: another nanwatch process ({who}) is writing this database "
+                "(the same file, under this name or another: a link or a relative path); "
+                "stop it, or pass another --db"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
@@ -92,8 +153,41 @@ class WriterLock:
             self.fd = None
 
 
+def _close_quietly(conn: sqlite3.Connection | None) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
+
+
+def _flock_holder(dev: int, ino: int, locks: str = "/proc/locks") -> int | None:
+    """The pid holding an flock on the file (dev, ino), from the kernel's lock table.
+
+    The table names the device as its superblock knows it, which stat does not always report
+    (btrfs subvolumes): one flock on the same inode number is taken to be it."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    same_ino: list[int] = []
+    try:
+        with open(locks, encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2153162 0 EOF" ("->" marks waiters)
+                if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                if parts[5] == want:
+                    return int(parts[4])
+                if parts[5].rsplit(":", 1)[-1] == str(ino):
+                    same_ino.append(int(parts[4]))
+    except (OSError, ValueError):
+        return None
+    return same_ino[0] if len(same_ino) == 1 else None
+
+
 class Store:
     """Owns one connection. The writer thread uses it for every write (invariant 5)."""
+
+    last_opened: Path | None = None  # for the CLI's message when a query meets a damaged page
 
     def __init__(self, path: Path, conn: sqlite3.Connection, *, readonly: bool) -> None:
         self.path = path
@@ -123,7 +217,10 @@ class Store:
         second daemon or scan out; a one-row write from the CLI (a silence) passes False and
         relies on SQLite's own locking for its single transaction."""
         p = Path(path)
+        Store.last_opened = p
         if readonly:
+            if files.unreadable(p):
+                raise files.denied(p)
             if not p.exists():
                 raise StoreError(
                     f"{p}: no database here yet; run `nanwatch scan PATH` or `nanwatch watch` "
@@ -136,8 +233,20 @@ class Store:
                 )
                 conn.execute("PRAGMA query_only=ON")
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version >= SCHEMA_VERSION and str(p) not in _CHECKED:
+                    check_integrity(conn, p, READ_CHECK_BUDGET)
             except sqlite3.Error as e:
+                if "readonly" in str(e) and not os.path.exists(f"{p}-shm"):
+                    raise StoreError(
+                        f"{p}: cannot be read while no nanwatch is writing it: a reader needs "
+                        f"the {p.name}-shm file that `watch` keeps, and may not create it in "
+                        f"{p.parent}; start the service, or run the command as its user "
+                        "(sudo -u nanwatch nanwatch ...)"
+                    ) from None
                 raise _explain(p, e) from None
+            except StoreError:
+                conn.close()
+                raise
             if version < SCHEMA_VERSION:
                 conn.close()
                 # an older schema: open it writable once to migrate
@@ -149,34 +258,36 @@ class Store:
                 )
             store = cls(p, conn, readonly=True)
             return store
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(
-                f"{p.parent}: cannot create the database folder ({e.strerror})"
-            ) from None
-        lock = WriterLock(p)
+        files.make_folder(p.parent)
+        mode = files.prepare(p)
+        lock = WriterLock(p, mode)
         if exclusive:
             lock.acquire()
+        wconn: sqlite3.Connection | None = None  # closed before the lock on failure
         try:
-            conn = sqlite3.connect(
+            wconn = sqlite3.connect(
                 str(p), isolation_level=None, timeout=5.0, check_same_thread=False
             )
-            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+            if not check_integrity(wconn, p, CHECK_BUDGET):
+                log.info("%s: too large to check in %.0f s at start; not checked", p, CHECK_BUDGET)
+            _CHECKED.add(str(p))  # this process's readers need not check it again
+            if wconn.execute("PRAGMA user_version").fetchone()[0] == 0:
                 # a fresh file: auto_vacuum must be chosen before the first page is written,
                 # and switching to WAL writes one
-                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA foreign_keys=OFF")
-            conn.execute("PRAGMA busy_timeout=5000")
-            store = cls(p, conn, readonly=False)
+                wconn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            wconn.execute("PRAGMA journal_mode=WAL")
+            wconn.execute("PRAGMA synchronous=NORMAL")
+            wconn.execute("PRAGMA foreign_keys=OFF")
+            wconn.execute("PRAGMA busy_timeout=5000")
+            store = cls(p, wconn, readonly=False)
             store.lock = lock
             store._migrate()
         except sqlite3.Error as e:
+            _close_quietly(wconn)
             lock.release()
             raise _explain(p, e) from None
         except BaseException:
+            _close_quietly(wconn)
             lock.release()
             raise
         return store
@@ -320,6 +431,20 @@ class Store:
         current = json.loads(row[0]) if row and row[0] else {}
         merged = _deep_merge(current, facts)
         self.execute("UPDATE runs SET facts=? WHERE id=?", (json.dumps(merged), run_id))
+
+    def widen_run_span(self, run_id: int, times: Iterable[str | None]) -> None:
+        """Stretch a run's first_time/last_time (what its logs span) over ``times`` (RFC 3339
+        UTC strings, which compare as text); in the caller's transaction."""
+        known = [t for t in times if t]
+        if not known:
+            return
+        lo, hi = min(known), max(known)
+        self.execute(
+            "UPDATE runs SET first_time = CASE WHEN first_time IS NULL OR first_time > ? "
+            "THEN ? ELSE first_time END, last_time = CASE WHEN last_time IS NULL OR "
+            "last_time < ? THEN ? ELSE last_time END WHERE id = ?",
+            (lo, lo, hi, hi, run_id),
+        )
 
     # -- sources ---------------------------------------------------------------------------------
 

@@ -208,4 +208,14 @@ MIGRATIONS: list[str] = [
     UPDATE incidents SET key = 'comm:' || substr(key, instr(key, ':') + 1)
     WHERE kind IN ('comm_timeout', 'comm_error') AND key LIKE 'comm%:%';
     """,
+    # 4: people acknowledge and resolve incidents (`nanwatch ack`, `nanwatch resolve`): who,
+    # when and why, kept with the incident so `show`, --json and the Slack parent tell it.
+    # resolved_by stays NULL when nanwatch resolved it itself (the reason is in detail).
+    """
+    ALTER TABLE incidents ADD COLUMN acked_by TEXT;
+    ALTER TABLE incidents ADD COLUMN acked_at TEXT;
+    ALTER TABLE incidents ADD COLUMN ack_note TEXT;
+    ALTER TABLE incidents ADD COLUMN resolved_by TEXT;
+    ALTER TABLE incidents ADD COLUMN resolve_note TEXT;
+    """,
 ]
