@@ -42,6 +42,7 @@ PLAN: dict[str, dict[str, Any]] = {
         "quick": {"seconds": 15, "poll_seconds": 10, "load_seconds": 10, "tick_seconds": 10},
     },
     "query": {"full": {"events": 1_000_000, "runs": 5}, "quick": {"events": 200_000, "runs": 3}},
+    "adversarial": {"full": {"mb": 1.0}, "quick": {"mb": 0.25}},
     "hook": {
         "full": {"iters": 20000, "batch": 16, "repeat": 5},
         "quick": {"iters": 5000, "batch": 16, "repeat": 3},
@@ -123,6 +124,12 @@ def _startup(p: dict[str, Any]) -> dict[str, Any]:
     return startup.run(p["runs"])
 
 
+def _adversarial(p: dict[str, Any]) -> dict[str, Any]:
+    from . import adversarial
+
+    return adversarial.run(p["mb"])
+
+
 def _hook(p: dict[str, Any]) -> dict[str, Any]:
     # in a process of its own: torch and mmengine stay out of this one
     out = subprocess.run(
@@ -152,6 +159,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "live": _live,
     "idle": _idle,
     "query": _query,
+    "adversarial": _adversarial,
     "hook": _hook,
 }
 

@@ -125,6 +125,17 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
             "",
             None,
         )
+    if "adversarial" in s:
+        a = s["adversarial"]
+        yield Row(
+            f"one {a['mb']:g} MB line built from a rule's own literals, worst of {a['rules']} "
+            f"rules ({a['lines']} lines)",
+            f"{_ms(a['worst_ms'])} ({a['worst_rule']}); {a['timeouts']} rule timeouts",
+            f"< {a['budget_ms']} ms, no timeout",
+            a["worst_ms"] < a["budget_ms"] and a["timeouts"] == 0,
+            "adversarial/worst_ms",
+            a["worst_ms"],
+        )
     if "live" in s:
         lv = s["live"]
         ino, poll, sl = lv["inotify"], lv["poll"], lv["slack"]

@@ -1,9 +1,12 @@
 """`nanwatch watch` as a service: systemd's notify protocol, signals, reload, retention.
 
 Everything runs on the pipeline's writer thread except what cannot: the watcher (wake-ups),
-the sender (deliveries) and the metrics server (scrapes). The watchdog pings, the status line,
-reloads and retention all happen in ``on_tick``, after a pass of the loop that does the work,
-so a wedged pass stops the pings and systemd restarts the service.
+the sender (deliveries), the metrics server (scrapes) and the watchdog. The status line,
+reloads and retention happen in ``on_tick``, after a pass of the loop that does the work.
+The watchdog pings (WATCHDOG=1) come from a thread of their own, so a long pass (a catch-up,
+a commit waiting for another writer) never makes systemd kill a working service; they stop
+when the writer thread has shown no progress (a commit, a pass) for ``LIVENESS`` seconds, so
+a truly wedged pipeline is still restarted.
 
 Signals: SIGTERM/SIGINT commit what was read and exit 0; SIGHUP reloads the config file
 (sources, rules, sinks, retention, metrics address) keeping every offset; a config that does
@@ -93,6 +96,61 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class Watchdog:
+    """WATCHDOG=1 every ``every`` seconds while the work loop lives: ``beat()`` (from the writer
+    thread, after each commit and each pass) says it does; no beat for ``liveness`` seconds
+    and the pings stop, so systemd restarts the service WatchdogSec later."""
+
+    def __init__(
+        self,
+        notifier: Notifier,
+        *,
+        every: float,
+        liveness: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.notifier = notifier
+        self.every = every
+        self.liveness = liveness
+        self.clock = clock
+        self._beat = clock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._wedged = False
+
+    def beat(self) -> None:
+        self._beat = self.clock()  # one float store: safe from any thread
+
+    def tick(self) -> bool:
+        """Ping now if the loop lived recently; True when a ping was sent."""
+        silent = self.clock() - self._beat
+        if silent > self.liveness:
+            if not self._wedged:
+                self._wedged = True
+                log.error(
+                    "no progress for %.0f s: the work loop is wedged; no more watchdog pings, "
+                    "systemd restarts the service",
+                    silent,
+                )
+            return False
+        self._wedged = False
+        return self.notifier.send("WATCHDOG=1")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nanwatch-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
 
 
 # --- logging for the journal ----------------------------------------------------------------
@@ -199,6 +257,9 @@ class Service:
 
     STATUS_EVERY = 2.0
     SNAPSHOT_EVERY = 1.0
+    # seconds without a commit or a finished pass before the pings stop: far beyond any pass
+    # whose work per line is bounded, short enough that a hung node is noticed
+    LIVENESS = 300.0
 
     def __init__(
         self,
@@ -218,6 +279,9 @@ class Service:
         self.notifier = notifier or Notifier.from_environ()
         # pings at most this often: under load ticks come many times a second
         self._ping_gap = min(1.0, (self.notifier.watchdog_interval or 4.0) / 4)
+        self.watchdog: Watchdog | None = None
+        if self.notifier.watchdog_interval is not None:
+            self.watchdog = Watchdog(self.notifier, every=self._ping_gap, liveness=self.LIVENESS)
         self.stop = threading.Event()
         self.pipe: Pipeline | None = None
         # prometheus_client is imported only when [metrics] asks for it
@@ -246,9 +310,13 @@ class Service:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        if self.watchdog is not None:
+            self.watchdog.start()
         try:
             self._run(config, plan, db_path)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             for s, handler in old.items():
                 signal.signal(s, handler)
 
@@ -316,6 +384,7 @@ class Service:
     # -- hooks on the writer thread --------------------------------------------------------------
 
     def _on_ready(self) -> None:
+        self._beat()
         self._ready = True
         self._last_scan = time.time()
         self._publish(force=True)
@@ -323,31 +392,28 @@ class Service:
         self.notifier.send("READY=1", f"STATUS={self._status}")
         log.info("ready: %s", self._status)
 
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
     def _on_progress(self) -> None:
+        self._beat()
         now = time.monotonic()
-        if now - self._last_ping >= self._ping_gap:
+        if not self._ready and now - self._last_ping >= self._ping_gap:
             self._last_ping = now
-            if self._ready:
-                if self.notifier.watchdog_interval is not None:
-                    self.notifier.send("WATCHDOG=1")
-            else:
-                # a long catch-up before READY: keep the start timeout and the watchdog at bay
-                self.notifier.send(
-                    "WATCHDOG=1",
-                    "EXTEND_TIMEOUT_USEC=60000000",
-                    f"STATUS=catching up: {self._status_line()}",
-                )
+            # a long catch-up before READY: keep the start timeout at bay while commits come
+            self.notifier.send(
+                "EXTEND_TIMEOUT_USEC=60000000", f"STATUS=catching up: {self._status_line()}"
+            )
         self._publish()
 
     def _on_tick(self) -> None:
+        self._beat()
         now = time.monotonic()
         self._last_scan = time.time()
         if self._reload_wanted:
             self._reload_wanted = False
             self._reload()
-        if self.notifier.watchdog_interval is not None and now - self._last_ping >= self._ping_gap:
-            self._last_ping = now
-            self.notifier.send("WATCHDOG=1")
         more = self.housekeeper is not None and self.housekeeper.step()
         if more and self.pipe is not None and self.pipe.mode != "poll":
             # more to delete: come back after the next pass (cheap unless polling walks the tree)
@@ -398,7 +464,7 @@ class Service:
                 for r in pipe.tracker.records.values()
                 if r.status == "active"
             ),
-            counters=dict(pipe.tracker.counters),
+            counters={**pipe.tracker.counters, **pipe.detector.counters},
             deliveries=dict(pipe.stats.deliveries),
             last_scan=self._last_scan,
             last_commit=pipe.stats.last_commit,

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import HTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,14 @@ _TRACKER = {
     "rotations": ("nanwatch_rotations", "Rotated or renamed files followed."),
     "truncations": ("nanwatch_truncations", "Files found truncated or rewritten."),
     "unreadable": ("nanwatch_files_unreadable", "Files that could not be opened (permissions)."),
+    "lines_capped": (
+        "nanwatch_lines_capped",
+        "Lines longer than what a rule examines (64 KiB by default); the rest was skipped.",
+    ),
+    "rule_timeouts": (
+        "nanwatch_rule_timeouts",
+        "Matches of a rule on a long line that ran out of their time budget (no detection).",
+    ),
 }
 
 
@@ -211,12 +219,15 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         ProcessCollector(registry=self.registry)
+        # a connection that sends nothing is dropped after ``timeout`` seconds, and holds
+        # only its own thread meanwhile: the next scrape is answered at once
         handler: Any = type(
             "_Handler", (MetricsHandler,), {"registry": self.registry, "timeout": 10}
         )
 
-        class _Server(HTTPServer):
+        class _Server(ThreadingHTTPServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            daemon_threads = True  # a stuck client never delays the daemon's exit
 
             def server_bind(self) -> None:
                 # HTTPServer's own looks the host up in DNS (getfqdn): slow or hanging offline

@@ -188,6 +188,7 @@ class Passes:
         self._launch: dict[int, dict[str, str]] = {}  # what each run's logs printed (launch)
         self.wake = threading.Event()
         self._stop: threading.Event | None = None
+        self._stop_by: float | None = None  # monotonic time after which reading stops
         self.mode = "scan"
         self.paused: str | None = None  # why the database could not be written, while it can't
         # called on the writer thread after every commit: a long catch-up still shows progress
@@ -351,6 +352,8 @@ class Passes:
         monitor_feed = None if route is None else self._monitor_feed(rec.root)
         states: dict[int, StreamState] = {}
         for chunk in self.tracker.read(rec, final=final):
+            if self._stop_by is not None and time.monotonic() > self._stop_by:
+                break  # stopping: what was read is committed, the rest waits for the next start
             if chunk.final and route is not None:
                 continue  # an unterminated CSV row may be half-written: never parsed
             r = chunk.record
@@ -616,4 +619,4 @@ class Passes:
         return sorted(ids | self.stats.runs)
 
     def counters(self) -> dict[str, Any]:
-        return {**self.tracker.counters, **self.monitor.counters}
+        return {**self.tracker.counters, **self.monitor.counters, **self.detector.counters}

@@ -28,6 +28,7 @@ log = logging.getLogger("nanwatch")
 
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 RETRY_FIRST, RETRY_CAP = 1.0, 60.0  # seconds between attempts while the database refuses
+STOP_GRACE = 5.0  # seconds a pass may go on reading after a stop was asked for
 
 
 class Backoff:
@@ -68,7 +69,13 @@ class Pipeline(Passes):
         self.retry = Backoff()  # tests give it a clock of their own
 
     def request_stop(self) -> None:
-        """Ask a running `watch` to commit what it has read and return (signal-safe)."""
+        """Ask a running `watch` to commit what it has read and return (signal-safe).
+
+        A pass under way goes on reading for at most ``STOP_GRACE`` seconds more: a stop in
+        the middle of a long catch-up commits what was read and leaves the rest for the next
+        start."""
+        if self._stop_by is None:
+            self._stop_by = time.monotonic() + STOP_GRACE
         if self._stop is not None:
             self._stop.set()
         self.wake.set()
@@ -236,7 +243,9 @@ class Pipeline(Passes):
             self.correlator.resolve_after = config.alerts.resolve_after
         if rules is not None:
             self.rules = rules
+            counters = self.detector.counters
             self.detector = Detector(rules)
+            self.detector.counters.update(counters)  # counters count since start
         if sinks is not None:
             self.sinks = list(sinks)
             self.outbox = Outbox(self.store, self.sinks) if self.sinks else None

@@ -5,11 +5,15 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from nanwatch.config import Config
 from nanwatch.pipeline import Pipeline
 from nanwatch.query import list_incidents, list_runs
 from nanwatch.simulate import TrainingRun
 from nanwatch.store import Store
+
+from .test_sources import nan_line, ok_line
 
 
 def scan(db: Path, *paths: str, run: str | None = None) -> Pipeline:
@@ -147,3 +151,41 @@ def test_stdout_written_before_the_launch_folder_joins_that_launch(
         store.close()
     assert [r["name"] for r in runs] == ["toy/20261130_101500"]
     assert runs[0]["experiment"] == "toy" and runs[0]["sources"] == 2
+
+
+def test_a_stop_in_the_middle_of_a_catch_up_commits_what_was_read(
+    tmp_path: Path, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM during a long first pass: the pass stops reading, commits, and returns; the
+    next start resumes where it stopped, with nothing lost or duplicated."""
+    import threading
+
+    from nanwatch import pipeline
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # 40 MiB of iteration lines behind: more than two commit batches
+    line = ok_line(1)
+    n = (40 << 20) // len(line)
+    (logs / "rank0.log").write_text(line * n + nan_line(2))
+    monkeypatch.setattr(pipeline, "STOP_GRACE", 0.0)
+    store = Store.open(db)
+    try:
+        pipe = Pipeline(Config(), store, [str(logs)], live=True)
+        pipe.on_progress = pipe.request_stop  # the signal arrives after the first commit
+        pipe.watch(threading.Event())
+        offset = store.conn.execute("SELECT max(offset) FROM sources").fetchone()[0]
+        pipe.tracker.close()
+    finally:
+        store.close()
+    assert 0 < offset < (logs / "rank0.log").stat().st_size
+    assert offset % len(line) == 0  # a whole number of lines
+    store = Store.open(db)
+    try:
+        pipe = Pipeline(Config(), store, [str(logs)])
+        pipe.scan()
+        events = store.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        pipe.tracker.close()
+    finally:
+        store.close()
+    assert events == 1

@@ -7,6 +7,7 @@ import logging
 import socket
 import sqlite3
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,51 @@ def test_secrets_never_reach_the_log(capsys: pytest.CaptureFixture[str]) -> None
     err = capsys.readouterr().err
     assert "WARNING nanwatch.test: posting with <redacted> to https://<redacted>" in err
     assert "xoxb" not in err and "hooks.slack.com" not in err
+
+
+def test_an_idle_connection_never_holds_back_a_scrape(db: Path) -> None:
+    from nanwatch.metrics import NanwatchCollector, serve
+
+    Store.open(db).close()
+    collector = NanwatchCollector(db)
+    server = serve("127.0.0.1:0", collector, where="[metrics] listen")
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        # a scraper (or a port scanner) that connected and said nothing: the next scrape
+        # is answered anyway, well within Prometheus' scrape timeout
+        idle.sendall(b"GET /metrics HTTP/1.1\r\n")
+        with urllib.request.urlopen(server.url, timeout=3) as resp:
+            assert b"nanwatch_info" in resp.read()
+    finally:
+        idle.close()
+        server.stop()
+        collector.close()
+
+
+def test_the_watchdog_pings_while_the_loop_lives_and_stops_when_it_is_wedged(
+    tmp_path: Path,
+) -> None:
+    from nanwatch.daemon import Watchdog
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(5)
+    notifier = Notifier(str(tmp_path / "notify.sock"))
+    now = [1000.0]
+    dog = Watchdog(notifier, every=0.01, liveness=300.0, clock=lambda: now[0])
+    try:
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        now[0] += 299.0  # a long pass, no commit yet: still alive
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        now[0] += 2.0  # nothing for longer than the bound: wedged, systemd may restart it
+        assert not dog.tick()
+        dog.beat()  # the loop moved again
+        assert dog.tick() and listener.recv(100) == b"WATCHDOG=1"
+        # the thread pings by itself, whatever the caller's thread is doing
+        dog.start()
+        assert listener.recv(100) == b"WATCHDOG=1"
+        dog.stop()
+    finally:
+        dog.stop()
+        notifier.close()
+        listener.close()

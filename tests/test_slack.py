@@ -630,6 +630,36 @@ def test_plot_is_attached_to_the_thread_once_even_after_a_failure(
     assert [c.status for c in slack.calls_to("files.getUploadURLExternal")] == [500, 200]
 
 
+@pytest.mark.parametrize("broken", ["files.getUploadURLExternal", "upload"])
+def test_a_plot_that_never_uploads_is_given_up_after_five_attempts(
+    slack: SlackServer, rig_factory: Callable[..., Rig], broken: str
+) -> None:
+    if broken == "upload":  # the upload URL Slack hands out answers 500
+        for n in range(1, 20):
+            slack.fail(f"upload/F{n:08d}", status=500, error="internal_error")
+    else:
+        slack.fail(broken, status=500, error="internal_error", times=100)
+    rig = rig_factory(sink_for(slack, plots=True))
+    for rank in (0, 1):
+        with open(rig.logs / f"rank{rank}.log", "w") as f:
+            f.write("".join(nan_line(i).replace("loss: nan", f"loss: {i}.5") for i in range(1, 9)))
+    rig.lines = {0: 8, 1: 8}
+    rig.nan(0)
+    rig.step()
+    for _ in range(12):  # every retry is due at once: a clock far ahead
+        rig.sender.deliver_due(rig.reader, now=time.time() + 1e6)
+        assert rig.pipe.outbox is not None
+        rig.pipe.outbox.record(rig.sender.drain_results())
+    assert len(slack.parents()) == 1  # the message went out whatever the plot did
+    assert len(slack.calls_to("files.getUploadURLExternal")) == 5
+    assert rig.pending() == 0
+    ((delivered, error),) = rig.store.conn.execute(
+        "SELECT delivered_at, last_error FROM outbox WHERE action = 'plot'"
+    ).fetchall()
+    assert delivered.startswith("failed") and "given up" in error
+    assert "cannot reach" not in error and "HTTP 500" in error
+
+
 def test_the_oom_and_its_timeouts_arrive_as_one_message(
     slack: SlackServer, rig_factory: Callable[..., Rig], tmp_path: Path
 ) -> None:

@@ -206,3 +206,42 @@ def test_outage_and_restart_deliver_every_message_exactly_once(
     assert paced(slack)  # also right after the restart
     log = out.read_text()
     assert "cannot reach Slack" in log and TOKEN not in log
+
+
+@pytest.mark.parametrize(
+    ("broken", "timeout"), [("files.getUploadURLExternal", None), ("upload", "5")]
+)
+def test_scan_notify_with_failing_plot_uploads_delivers_and_returns(
+    slack: SlackServer, tmp_path: Path, broken: str, timeout: str | None
+) -> None:
+    wd = tmp_path / "work_dirs" / "dino"
+    TrainingRun(wd, timestamp="20261130_101500", ranks=2, nan_rank=1).write()
+    # every file upload fails (the API method, or the upload URL it hands out); messages work
+    if broken == "upload":
+        for n in range(1, 30):
+            slack.fail(f"upload/F{n:08d}", status=500, error="internal_error")
+    else:
+        slack.fail(broken, status=500, error="internal_error", times=100)
+    db = tmp_path / "nw.db"
+    cfg = config(tmp_path, slack)
+    started = time.monotonic()
+    args = ["--notify-timeout", timeout] if timeout else []
+    proc = nanwatch(
+        "scan", "--notify", *args, "--json", "--config", str(cfg), "--db", str(db), str(wd)
+    )
+    took = time.monotonic() - started
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert len(slack.parents()) == len(summary["incidents"]) == 1
+    # the plot is best-effort: tried a few times, never blamed on Slack being unreachable
+    assert 1 <= len(slack.calls_to("files.getUploadURLExternal")) <= 5
+    assert "cannot reach Slack" not in proc.stderr, proc.stderr
+    if timeout is None:
+        # five attempts (2+4+8+16 s apart), then given up, well within the 60 s default
+        assert took < 60 and summary["undelivered"] == 0
+        assert len(slack.calls_to("files.getUploadURLExternal")) == 5
+        assert "given up" in proc.stderr
+    else:
+        # what --notify-timeout cut short stays queued for the daemon, and the command says so
+        assert took < 30 and summary["undelivered"] == 1
+        assert "left in the outbox" in proc.stderr
+        assert [r[1] for r in outbox(db) if r[3] is None] == ["plot"]

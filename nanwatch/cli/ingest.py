@@ -111,6 +111,16 @@ def watch(
     help="Deliver the incidents' notifications (Slack, ...) before exiting.",
 )
 @click.option(
+    "--notify-timeout",
+    "notify_timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --notify: stop delivering after this long; what is left stays in the outbox "
+    "for `nanwatch watch`.",
+)
+@click.option(
     "--fail-on",
     "fail_on",
     multiple=True,
@@ -126,6 +136,7 @@ def scan(
     db: Path | None,
     run: str | None,
     notify: bool,
+    notify_timeout: float,
     fail_on: tuple[str, ...],
     as_json: bool,
     verbose: int,
@@ -163,7 +174,7 @@ def scan(
             bar.update(total, nfiles)
         finally:
             bar.close()
-        undelivered = pipe.deliver_all() if notify else 0
+        undelivered = pipe.deliver_all(deadline=notify_timeout) if notify else 0
         elapsed = time.monotonic() - started
         runs = pipe.run_ids()
         names = (
@@ -207,8 +218,12 @@ def scan(
                 click.echo("See `nanwatch show ID` for the story.")
             else:
                 click.echo("No incidents.")
-            if undelivered:
-                click.echo(f"{undelivered} notification(s) could not be delivered yet.", err=True)
+        if undelivered:
+            click.echo(
+                f"{undelivered} notification(s) not delivered within {notify_timeout:g}s are "
+                "left in the outbox: `nanwatch watch` on this database delivers them.",
+                err=True,
+            )
         wanted = set(fail_on)
         if wanted and any("any" in wanted or i["kind"] in wanted for i in incidents):
             sys.exit(EXIT_VERDICT)

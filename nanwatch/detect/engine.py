@@ -11,9 +11,11 @@ report (a traceback, an HCCL error block) become one event in ``reports``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import signal as _signal
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,11 +23,14 @@ from ..dates import file_bound
 from ..events import DEVICES, Event, Metric
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
+from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
 from .facts import rule_facts
 from .reports import BLOCK_LINES, Feed, report
 from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
 from .timestamps import TimeParser
+
+log = logging.getLogger("nanwatch.detect")
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # A line that starts a record of its own, never the wrapped tail of the line before it.
@@ -88,6 +93,11 @@ class Detector:
         self._c = Compiled(rules, automaton=automaton)
         self.rules = rules
         self.times = TimeParser(default_year)
+        # lines_capped: lines longer than what a rule examines; rule_timeouts: matches that ran
+        # out of their time budget (see bounds.py)
+        self.counters: Counter[str] = Counter()
+        self._cap = min((r.max_chars for r in rules.rules), default=0)
+        self._warned: set[str] = set()
         self._clock = clock  # the bound of a year-less line's date when the bytes have no file
 
     # -- public ----------------------------------------------------------------------------------
@@ -141,7 +151,7 @@ class Detector:
             hits: list[tuple[ChunkPlan, Any]] | None = None
             if rules is not None:
                 for plan in c.plans(rules):
-                    m = plan.cre.search(chunk, start, end)
+                    m = plan.cre.search(chunk, start, min(end, start + plan.rule.max_chars))
                     if m is not None:
                         if hits is None:
                             hits = [(plan, m)]
@@ -216,7 +226,7 @@ class Detector:
             for r in self.rules.rules:
                 if not any(lit in stripped for lit in r.literals):
                     continue
-                m = r.cre.search(stripped)
+                m = self._search(r, stripped)
                 if m:
                     vals = {k: v for k, v in m.groupdict().items() if v is not None}
                     matches.append(
@@ -257,7 +267,7 @@ class Detector:
         attrs: dict[str, Any] = {}
         for _ in range(4):
             for p in self.rules.prefixes:
-                m = p.cre.match(text)
+                m = p.cre.match(text, 0, PREFIX_LIMIT)
                 if m and m.end() > 0:
                     for k, v in m.groupdict().items():
                         if v is None or k.startswith("_"):
@@ -540,6 +550,8 @@ class Detector:
             ctx_rules = [c.context_rules[i] for i in sorted(ctx_ids)]
             ev_rules = [c.event_rules[i] for i in sorted(ev_ids)]
         when: str | None = None
+        if len(text) > self._cap:
+            self._capped(len(text), line_no, f.file)
         ctx_text = text
         if "\r" in text:
             # a progress bar redrawn with \r: its context is the last update; event patterns
@@ -550,7 +562,7 @@ class Detector:
         for rule in ctx_rules:
             if not any(lit in ctx_text for lit in rule.literals):
                 continue
-            m = rule.cre.search(ctx_text)
+            m = self._search(rule, ctx_text)
             if m is None:
                 continue
             if f.trace is not None:
@@ -611,28 +623,75 @@ class Detector:
         if rule.lines > 1:
             more = self._following(chunk, end, rule.lines - 1)
             joined = "\n".join([text, *(t for t, _ in more)])
-            m = rule.cre.search(joined)
+            m = self._search(rule, joined)
             if m is None or m.start() > len(text):
                 return None
             used = joined.count("\n", 0, m.end())
             return m, [m], joined, more[used - 1][1] if used else end
-        ms = list(rule.cre.finditer(text)) if rule.all_matches else []
-        m = ms[0] if ms else (None if rule.all_matches else rule.cre.search(text))
-        if len(text) >= WRAP_MIN and (m is None or m.end() >= len(text) - 40):
+        ms = self._every(rule, text) if rule.all_matches else []
+        m = ms[0] if ms else (None if rule.all_matches else self._search(rule, text))
+        wrap = WRAP_MIN <= len(text) < rule.max_chars
+        if wrap and (m is None or m.end() >= len(text) - 40):
             more = self._following(chunk, end, 1)
             if more and not _NEW_RECORD.match(more[0][0]):
                 joined = text + more[0][0]
-                m2 = rule.cre.search(joined)
+                m2 = self._search(rule, joined)
                 if (
                     m2 is not None
                     and m2.start() < len(text) <= m2.end()
                     and (m is None or m2.end() > m.end())
                 ):
-                    ms2 = list(rule.cre.finditer(joined)) if rule.all_matches else [m2]
-                    return m2, ms2, joined, more[0][1]
+                    ms2 = self._every(rule, joined) if rule.all_matches else [m2]
+                    return m2, ms2 or [m2], joined, more[0][1]
         if m is None:
             return None
         return m, ms or [m], text, end
+
+    def _search(self, rule: Rule, text: str) -> Any:
+        """``rule``'s first match in at most ``max_chars`` of ``text``, within the time budget."""
+        if len(text) <= LONG_LINE and len(text) <= rule.max_chars:
+            return rule.cre.search(text)
+        try:
+            return rule.cre.search(text, 0, rule.max_chars, timeout=MATCH_BUDGET)
+        except TimeoutError:
+            self._timed_out(rule, len(text))
+            return None
+
+    def _every(self, rule: Rule, text: str) -> list[Any]:
+        """Every match of ``rule`` (``all = true``), bounded as :meth:`_search` is."""
+        if len(text) <= LONG_LINE and len(text) <= rule.max_chars:
+            return list(rule.cre.finditer(text))
+        try:
+            return list(rule.cre.finditer(text, 0, rule.max_chars, timeout=MATCH_BUDGET))
+        except TimeoutError:
+            self._timed_out(rule, len(text))
+            return []
+
+    def _timed_out(self, rule: Rule, size: int) -> None:
+        self.counters["rule_timeouts"] += 1
+        if rule.id not in self._warned:
+            self._warned.add(rule.id)
+            log.warning(
+                "rule %s (%s) gave up on a line of %d characters after %.2fs: its pattern "
+                "backtracks on such lines and needs a fix (counted in nanwatch_rule_timeouts)",
+                rule.id,
+                rule.source,
+                size,
+                MATCH_BUDGET,
+            )
+
+    def _capped(self, size: int, line_no: int, file: str | None) -> None:
+        self.counters["lines_capped"] += 1
+        if "<capped>" not in self._warned:
+            self._warned.add("<capped>")
+            log.warning(
+                "%s line %d has %d characters: rules examine the first %d of such lines, the "
+                "rest is skipped (counted in nanwatch_lines_capped; logged once)",
+                file or "<input>",
+                line_no,
+                size,
+                self._cap,
+            )
 
     @staticmethod
     def _record_rank(

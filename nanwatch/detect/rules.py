@@ -77,6 +77,12 @@ Optional rule keys (all backward compatible):
   ``facts = { "versions.torch" = "{torch}", "device.type" = "cuda" }``. A template that is one
   group takes that group's value, typed by ``types`` (``int``, ``float``, ``bool``, ...); a
   group that did not take part leaves its fact out. Examples check them with ``facts = {...}``.
+- ``max_chars`` (int, default 65536): the pattern examines at most this many characters of a
+  line; the rest of a longer line is skipped and counted (``nanwatch_lines_capped``).
+
+Every pattern's work per line is bounded (``bounds.py``): a pattern with an unbounded
+lookbehind or nested unbounded quantifiers is refused at load, and a match on a long line
+has a time budget.
 
 Lines are decoded as UTF-8 (GBK when that fails, else with replacement), ANSI colours are
 removed, ``\r``-glued progress updates are read as their last update for context, and a long
@@ -97,6 +103,7 @@ import regex
 
 from ..errors import RuleError
 from ..events import ATTRIBUTES, KINDS, STAGES
+from .bounds import LINE_LIMIT, MAX_CHARS_MAX, lint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -261,6 +268,7 @@ class Rule:
     progress: bool = False  # an iteration line: closes failure reports, clears hints
     entry: bool = False  # a hint from the launch's entry script: weaker than a loop frame
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
+    max_chars: int = LINE_LIMIT  # characters of a line the pattern examines (see bounds.py)
     opens: str | None = None  # a context rule: the record (traceback) this line opens
     within: str | None = None  # an event rule: only tried inside an open record of this name
 
@@ -322,6 +330,7 @@ _RULE_KEYS = {
     "lines",
     "alone",
     "facts",
+    "max_chars",
     "entry",
     "opens",
     "within",
@@ -361,9 +370,13 @@ def _check_keys(
 
 def _compile_line(src: Path, rid: str, pattern: str) -> Any:
     try:
-        return regex.compile(pattern, regex.V0)
+        cre = regex.compile(pattern, regex.V0)
     except regex.error as e:
         raise _fail(src, rid, f"pattern does not compile: {e}") from None
+    why = lint(pattern)
+    if why is not None:
+        raise _fail(src, rid, f"pattern {why}")
+    return cre
 
 
 def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
@@ -534,6 +547,15 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
             raise _fail(src, rid, f"lines must be an integer from 1 to 20, got {nlines!r}")
         if nlines > 1 and raw.get("chunk"):
             raise _fail(src, rid, "`lines` and `chunk = true` cannot be combined")
+        max_chars = raw.get("max_chars", LINE_LIMIT)
+        if (
+            not isinstance(max_chars, int)
+            or isinstance(max_chars, bool)
+            or not 80 <= max_chars <= MAX_CHARS_MAX
+        ):
+            raise _fail(
+                src, rid, f"max_chars must be an integer from 80 to {MAX_CHARS_MAX}: {max_chars!r}"
+            )
         opens, within = raw.get("opens"), raw.get("within")
         for key, val, want in (("opens", opens, "context"), ("within", within, "event")):
             if val is None:
@@ -572,6 +594,7 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 alone=bool(raw.get("alone", False)),
                 progress=progress,
                 facts=dict(facts),
+                max_chars=max_chars,
                 entry=bool(raw.get("entry", False)),
                 opens=opens,
                 within=within,

@@ -16,6 +16,8 @@ A sink may opt in to more than "one row, one delivery":
   mentioned since are queued again as ``remind`` rows.
 - raising :class:`Deferred` holds a row until a given time without counting an attempt
   (an active silence, a rate limit that was never hit, a parent message not posted yet).
+- ``max_attempts`` (action -> count): rows of a best-effort action (Slack's plot) are given
+  up after that many failed attempts instead of being retried for ever.
 
 What a sink returns from ``deliver`` (``{"message": {"channel": ..., "ts": ...}}``) is kept in
 the ``messages`` table, so the next process edits the same message instead of posting anew;
@@ -375,6 +377,10 @@ class Sender:
             return
         except DeliveryError as e:
             tries = row["attempts"] + 1
+            error, permanent = str(e), e.permanent
+            limit = getattr(sink, "max_attempts", {}).get(row["action"])
+            if limit is not None and tries >= limit and not permanent:
+                error, permanent = f"{error} (attempt {tries} of {limit}: given up)", True
             if e.retry_after is not None:
                 # the service said when (HTTP 429 Retry-After, or a fix that needs a person)
                 retry_at = time.time() + max(e.retry_after, 1.0)
@@ -384,15 +390,15 @@ class Sender:
                 "%s: delivery of incident %s failed (%s); %s",
                 sink.name,
                 iid,
-                e,
-                "giving up" if e.permanent else f"retry in {retry_at - time.time():.0f}s",
+                error,
+                "giving up" if permanent else f"retry in {retry_at - time.time():.0f}s",
             )
-            if e.permanent:
+            if permanent:
                 self._done.add(rid)
             else:
                 self._not_before[rid] = retry_at
             self._inflight.discard(rid)
-            self._put(Result(rid, False, str(e), retry_at, e.permanent))
+            self._put(Result(rid, False, error, retry_at, permanent))
             return
         self._done.add(rid)
         self._done.update(absorbed)

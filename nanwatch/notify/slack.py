@@ -24,8 +24,9 @@ import logging
 import os
 import sqlite3
 import time
+import urllib.error
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ..config import AlertsConfig
 from ..errors import DeliveryError
@@ -72,6 +73,8 @@ class SlackSink:
     coalesce = True
     # the thread's details and the picture are steps of their own, retried on their own
     solo_actions = ("details", "plot")
+    # best effort: a plot that failed this often is given up (the message is what matters)
+    max_attempts: ClassVar[dict[str, int]] = {"plot": 5}
 
     def __init__(
         self,
@@ -474,6 +477,9 @@ class SlackSink:
             if err.retry_after is not None:
                 self._blocked[key] = time.monotonic() + err.retry_after
             raise err from None
+        except urllib.error.HTTPError as e:
+            # Slack answered (an upload URL, an API method): it is reachable, the call failed
+            raise DeliveryError(f"{method}: Slack answered HTTP {e.code} {e.reason}") from None
         except (OSError, http.client.HTTPException, SlackClientError) as e:
             raise DeliveryError(
                 f"{method}: cannot reach Slack at {self.settings.base_url} ({e})"
