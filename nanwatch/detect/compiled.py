@@ -38,6 +38,8 @@ class Compiled:
             for lit in lits
         ]
         self.chunk_plans = [ChunkPlan(r) for r in self.chunk_rules]
+        # literals further into a line than any rule examines tell nothing: skipped cheaply
+        self.cap = max((r.max_chars for r in rules.rules), default=0)
         self._union: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
         self._plans: dict[frozenset[int], tuple[ChunkPlan, ...]] = {}
         self.ac: Any = None
@@ -109,9 +111,11 @@ class Compiled:
         the chunk rules whose literals it holds (or None)]."""
         out: dict[int, list[Any]] = {}
         lit_line, lit_chunk, union = self.lit_line, self.lit_chunk, self._union
-        line_start = line_end = -1
+        line_start = line_end = skip = limit = -1
         entry: list[Any] = []
         for idx, s, _ in self._found(chunk):
+            if s < skip:
+                continue  # past what any rule examines of a long line (bounds.py)
             if not line_start <= s < line_end:
                 line_start = chunk.rfind(b"\n", 0, s) + 1
                 line_end = chunk.find(b"\n", s)
@@ -121,6 +125,10 @@ class Compiled:
                 if got is None:
                     got = out[line_start] = [line_end, None, None]
                 entry = got
+                limit = line_start + 4 * self.cap  # a character is at most 4 bytes
+            if s >= limit:
+                skip = line_end
+                continue
             if lit_line[idx]:
                 if entry[1] is None:
                     entry[1] = {idx}
