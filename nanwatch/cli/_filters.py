@@ -90,3 +90,12 @@ def match_runs(pattern: str | None, names: Sequence[str]) -> list[str] | None:
 def _listing(names: Sequence[str], most: int = 8) -> str:
     shown = ", ".join(names[:most])
     return shown + (f", ... {len(names) - most} more" if len(names) > most else "")
+
+
+def check_filters(
+    kind: str | None, limit: int | None, since: str | None, until: str | None
+) -> tuple[str | None, str | None]:
+    """The checks `incidents` and `events` share; returns (since, until) as store times."""
+    check_kind(kind)
+    check_limit(limit)
+    return parse_when(since, "--since"), parse_when(until, "--until")

@@ -17,7 +17,7 @@ from ._common import (
     out_color,
     out_width,
 )
-from ._filters import SINCE_HELP, UNTIL_HELP, check_kind, check_limit, match_runs, parse_when
+from ._filters import SINCE_HELP, UNTIL_HELP, check_filters, match_runs
 
 RUN_HELP = (
     "Only this run: its name, a tail of it (20261130_101500 for dino/20261130_101500) "
@@ -63,9 +63,7 @@ def incidents(
     from ..query import list_incidents, run_names
     from ..tables import incidents_table
 
-    check_kind(kind)
-    check_limit(limit)
-    t0, t1 = parse_when(since, "--since"), parse_when(until, "--until")
+    t0, t1 = check_filters(kind, limit, since, until)
     store = open_reader(config_path, db, quiet=as_json)
     try:
         runs = match_runs(run, run_names(store.conn))
@@ -167,9 +165,7 @@ def events(
     from ..query import iter_events, run_names
     from ..tables import events_table
 
-    check_kind(kind)
-    check_limit(limit)
-    t0, t1 = parse_when(since, "--since"), parse_when(until, "--until")
+    t0, t1 = check_filters(kind, limit, since, until)
     store = open_reader(config_path, db, quiet=as_json)
     try:
         runs = match_runs(run, run_names(store.conn))

@@ -183,15 +183,7 @@ def explain(config_path: Path | None, as_json: bool, text: str) -> None:
             click.echo(f"    fields.{k} = {v!r}")
     if result["metrics"]:
         click.echo(f"\nmetrics: {len(result['metrics'])} logged iteration(s)")
-    for k, v in _flat(result.get("facts") or {}).items():
+    from ..detect.examples import flatten
+
+    for k, v in flatten(result.get("facts") or {}).items():
         click.echo(f"run fact: {k} = {v!r}")
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out

@@ -56,7 +56,7 @@ def run_example(detector: Detector, ex: Example) -> Outcome:
     events, metrics = detector.feed(data, 0, state, ex.file, facts=told, trace=fired)
     got: dict[str, Any] = {}
     for f in told:
-        got.update(_flat(f))
+        got.update(flatten(f))
     return Outcome(events, metrics, state, got, fired)
 
 
@@ -172,11 +172,12 @@ def check_examples(
     return failures
 
 
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested facts as ``a.b.c -> value`` (how examples name them and `rules` prints them)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out
