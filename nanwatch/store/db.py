@@ -22,16 +22,12 @@ from typing import Any
 from ..errors import StoreError
 from ..events import Event, now_utc
 from . import files
+from .records import EVENT_COLUMNS
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
 log = logging.getLogger("nanwatch.store")
 _TIMESTAMP_LAUNCH = re.compile(r"(?:^|/)\d{8}_\d{6}$")  # mmengine's launch folders
-
-EVENT_COLUMNS = (
-    "id, kind, time, ingested_at, run_id, source_id, offset, key, line, rank, local_rank, node, "
-    "epoch, iter, step, stage, device, message, fields, incident_id"
-)
 
 
 _EVENT_KEYS = tuple(c.strip() for c in EVENT_COLUMNS.split(","))

@@ -1,0 +1,189 @@
+"""What the store hands out: frozen records, one per table family, never rows or dicts.
+
+Every reader in ``nanwatch.store`` returns these and every writer takes them (or the detect
+stage's ``Event``/``Metric``), so the stages above the store see typed values and a second
+backend only has to build the same records. JSON columns (``fields``, ``facts``, ``origin``,
+``detail``, ``payload``) stay mappings of JSON values: their keys are open by design (rule
+packs and knowledge entries add their own), which is the one place ``Any`` is honest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON = Any  # a decoded JSON value: its shape is the rule pack's or the knowledge entry's
+
+__all__ = [
+    "EVENT_COLUMNS",
+    "JSON",
+    "Incident",
+    "Message",
+    "OutboxRow",
+    "Run",
+    "Silence",
+    "StoredEvent",
+    "loads",
+]
+
+
+def loads(text: str | bytes | None, default: JSON) -> JSON:
+    """A JSON column's value; ``default`` for NULL, empty or damaged text (never raises)."""
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
+
+
+EVENT_COLUMNS = (
+    "id, kind, time, ingested_at, run_id, source_id, offset, key, line, rank, local_rank, node, "
+    "epoch, iter, step, stage, device, message, fields, incident_id"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    """One stored detection (the ``events`` table), as every stage above the store sees it."""
+
+    id: int
+    kind: str
+    time: str | None
+    ingested_at: str
+    run_id: int | None
+    source_id: int | None
+    offset: int
+    key: str
+    line: int | None
+    rank: int | None
+    local_rank: int | None
+    node: str | None
+    epoch: int | None
+    iter: int | None
+    step: int | None
+    stage: str | None
+    device: str | None
+    message: str
+    fields: Mapping[str, JSON] = field(default_factory=dict)
+    incident_id: int | None = None
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> StoredEvent:
+        """From a row selected with ``EVENT_COLUMNS`` in that order."""
+        (id_, kind, time, ingested, run_id, source_id, offset, key, line, rank, local_rank, node,
+         epoch, iter_, step, stage, device, message, fields, incident_id) = row  # fmt: skip
+        return cls(
+            id=int(id_),
+            kind=str(kind),
+            time=time,
+            ingested_at=str(ingested),
+            run_id=run_id,
+            source_id=source_id,
+            offset=int(offset),
+            key=str(key or ""),
+            line=line,
+            rank=rank,
+            local_rank=local_rank,
+            node=node,
+            epoch=epoch,
+            iter=iter_,
+            step=step,
+            stage=stage,
+            device=device,
+            message=str(message),
+            fields=loads(fields, {}),
+            incident_id=incident_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One launch of a training job on this node (the ``runs`` table)."""
+
+    id: int
+    name: str
+    root: str
+    launch: str
+    experiment: str | None
+    job: str | None
+    node: str | None
+    created_at: str
+    first_time: str | None
+    last_time: str | None
+    facts: Mapping[str, JSON] = field(default_factory=dict)
+    cluster_run: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """One incident (the ``incidents`` table): its lifecycle, origin, hints and details."""
+
+    id: int
+    run_id: int | None
+    kind: str
+    key: str
+    title: str
+    status: str
+    severity: str
+    ranks: tuple[int, ...]
+    first_time: str | None
+    last_time: str | None
+    event_count: int
+    origin: Mapping[str, JSON]
+    hints: tuple[JSON, ...]
+    detail: Mapping[str, JSON]
+    root_event_id: int | None
+    version: int
+    created_at: str
+    updated_at: str
+    resolved_at: str | None
+    acked_by: str | None = None
+    acked_at: str | None = None
+    ack_note: str | None = None
+    resolved_by: str | None = None
+    resolve_note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One notification waiting in (or delivered from) the outbox."""
+
+    id: int
+    incident_id: int | None
+    sink: str
+    action: str
+    payload: Mapping[str, JSON]
+    dedup_key: str
+    created_at: str
+    due_at: float
+    attempts: int
+    last_error: str | None
+    delivered_at: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Where a sink posted an incident's living message (Slack channel and ts)."""
+
+    incident_id: int
+    sink: str
+    channel: str | None
+    ts: str | None
+    thread_ts: str | None
+    posted_at: str
+    updated_at: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """A silence: no notification for a run and/or kind until ``until`` (epoch seconds)."""
+
+    id: int
+    run: str | None
+    kind: str | None
+    until: float
+    created_at: str
+    comment: str | None
