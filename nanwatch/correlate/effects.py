@@ -14,7 +14,8 @@ import sqlite3
 from collections.abc import Mapping
 from typing import Any
 
-from ..store.db import EVENT_COLUMNS, Store
+from ..store.db import Store
+from ..store.records import EVENT_COLUMNS
 from .chains import Root, may_be_torn_down, roots_of_run, torn_down
 
 

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..detect.msprobe.names import looks_squashed
-from ..store.db import EVENT_COLUMNS, Store
+from ..store.db import Store
+from ..store.records import EVENT_COLUMNS
 from .nanloc import GRADS, PHASE_RANK, Finding, first_param, localise, merge, ranks_of
 from .origin import earliest_event_origin, origin_of, register
 

@@ -26,7 +26,8 @@ import sqlite3
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..store.db import EVENT_COLUMNS, Store
+from ..store.db import Store
+from ..store.records import EVENT_COLUMNS
 from .chains import SYMPTOM_KINDS, event_time
 
 OriginFn = Callable[[sqlite3.Connection, int], tuple[dict[str, Any] | None, dict[str, Any]]]
