@@ -24,18 +24,24 @@ $(VENV)/.installed-test: pyproject.toml | venv
 	$(PIP) install -e '.[test]'
 	@touch $(VENV)/.installed $@
 
-# System packages some tests drive for real (logrotate, Alertmanager); skipped when unavailable.
+# System packages some tests drive for real (logrotate, Alertmanager, PostgreSQL); skipped when
+# unavailable.
 # Debian's prometheus-alertmanager enables its own service: the tests start their own instance
-# on loopback, so a service this target installed is stopped and disabled again.
+# on loopback (PostgreSQL in a temporary data directory), so a service this target installed is
+# stopped and disabled again.
 sysdeps:
 	@missing=""; \
 	command -v logrotate >/dev/null 2>&1 || [ -x /usr/sbin/logrotate ] || missing="$$missing logrotate"; \
 	command -v prometheus-alertmanager >/dev/null 2>&1 || missing="$$missing prometheus-alertmanager"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || \
+	  missing="$$missing postgresql"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing \
 	     >/dev/null) || echo "sysdeps: apt-get failed; tests needing$$missing will skip"; \
 	  case "$$missing" in *alertmanager*) [ -d /run/systemd/system ] && \
 	    systemctl disable --now prometheus-alertmanager >/dev/null 2>&1 || true;; esac; \
+	  case "$$missing" in *postgresql*) [ -d /run/systemd/system ] && \
+	    systemctl disable --now postgresql >/dev/null 2>&1 || true;; esac; \
 	elif [ -n "$$missing" ]; then \
 	  echo "sysdeps: not root or no apt-get; tests needing$$missing will skip"; \
 	fi

@@ -197,6 +197,18 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """Fleet mode: this node forwards to (or ``nanwatch fleet`` correlates) a PostgreSQL store."""
+
+    dsn: str | None = None  # postgresql://user@host:port/db, never with its password
+    password_file: str | None = None
+    heartbeat: float = 60.0  # a node forwards at least this often; silent for 3x: a suspect
+    hold: float = 120.0  # a symptom incident waits this long for its root before it is sent
+    state_db: str | None = None  # the correlator's working database (default: beside db)
+    notify_locally: bool = False  # nodes in fleet mode leave notifications to the correlator
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path | None = None
     db: Path | None = None
@@ -210,6 +222,7 @@ class Config:
     alertmanager: AlertmanagerConfig = field(default_factory=AlertmanagerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def db_path(self) -> Path:
         return self.db if self.db is not None else default_db_path()
@@ -301,6 +314,8 @@ RANGES: dict[tuple[str, str], tuple[float, float, str]] = {
     ("alerts", "group_interval"): (1.0, _DAY, "5m"),
     ("alerts", "repeat_interval"): (60.0, 30 * _DAY, "4h"),
     ("alerts", "resolve_after"): (1.0, 30 * _DAY, "1h"),
+    ("fleet", "heartbeat"): (1.0, _DAY, "60s"),
+    ("fleet", "hold"): (0.0, _DAY, "2m"),
 }
 SIZE_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
     ("store", "max_size"): (1 << 20, 10**15, "4GB"),
@@ -334,6 +349,29 @@ def _url(v: object, where: str, base: Path | None) -> object:
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ConfigError(f"{where}: expected an http(s) URL such as https://slack.com/api/")
     return s
+
+
+def _dsn(v: object, where: str, base: Path | None) -> object:
+    s = _str(v, where, base)
+    assert isinstance(s, str)
+    parsed = urlparse(s)
+    if parsed.scheme not in ("postgresql", "postgres") or not parsed.hostname:
+        raise ConfigError(
+            f"{where}: expected a PostgreSQL URL such as "
+            '"postgresql://nanwatch@fleet-db:5432/nanwatch"'
+        )
+    if parsed.password is not None:
+        raise ConfigError(
+            f"{where}: the URL holds a password; remove it and put the password in "
+            "password_file (mode 600), the unit's LoadCredential=fleet-password, or PGPASSWORD"
+        )
+    return s
+
+
+def _bool(v: object, where: str, base: Path | None) -> object:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: expected true or false; got {v!r}")
+    return v
 
 
 def _routes(v: object, where: str, base: Path | None) -> object:
@@ -433,6 +471,14 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
     "alertmanager": {"url": _urls, "urls": _urls},
     "metrics": {"listen": _listen},
     "cluster": {"job": _str, "run": _str, "node": _str},
+    "fleet": {
+        "dsn": _dsn,
+        "password_file": _path,
+        "heartbeat": _ranged("fleet", "heartbeat"),
+        "hold": _ranged("fleet", "hold"),
+        "state_db": _path,
+        "notify_locally": _bool,
+    },
 }
 
 
@@ -492,6 +538,7 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
         alertmanager=AlertmanagerConfig(urls=am_urls),
         metrics=MetricsConfig(**s["metrics"]),  # type: ignore[arg-type]
         cluster=ClusterConfig(**s["cluster"]),  # type: ignore[arg-type]
+        fleet=FleetConfig(**s["fleet"]),  # type: ignore[arg-type]
     )
 
 
@@ -522,6 +569,7 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
 # Credential names the unit passes with LoadCredential= (systemd/nanwatch.service).
 SLACK_TOKEN_CREDENTIAL = "slack-token"
 SLACK_WEBHOOK_CREDENTIAL = "slack-webhook"
+FLEET_PASSWORD_CREDENTIAL = "fleet-password"
 
 
 def read_secret_file(path: str, *, key: str, what: str = "secret", where: str = "") -> str:

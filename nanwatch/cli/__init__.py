@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "explain": ("rules", "explain", "Show which rules match a log line and the event it gives."),
     "doctor": ("doctor", "doctor", "Check this node can run the service; say how to fix it."),
     "merge": ("merge", "merge", "Merge node databases into one fleet database; correlate."),
+    "fleet": ("fleet", "fleet", "Correlate every node of the fleet store (PostgreSQL); notify."),
 }
 
 

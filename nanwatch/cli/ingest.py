@@ -25,14 +25,17 @@ from ._common import (
 from ._progress import Progress, tree_size
 
 
-def _sinks(config: Any, *, console: bool) -> list[Any]:
+def _sinks(config: Any, *, console: bool, correlator: bool = False) -> list[Any]:
     """Every sink `watch` and `scan --notify` deliver to (console, Slack, Alertmanager); a
-    [slack] that cannot work fails here."""
+    [slack] that cannot work fails here. A node in fleet mode leaves Slack and Alertmanager to
+    `nanwatch fleet` (``correlator``), unless [fleet] notify_locally says otherwise."""
     from ..notify.console import ConsoleSink
 
     sinks: list[Any] = []
     if console:
         sinks.append(ConsoleSink())
+    if config.fleet.dsn and not correlator and not config.fleet.notify_locally:
+        return sinks
     if config.slack.enabled:
         from ..notify.slack import SlackSink, slack_settings
 
@@ -47,6 +50,21 @@ def _sinks(config: Any, *, console: bool) -> list[Any]:
             AlertmanagerSink(config.alertmanager.urls, node=this_node(config.cluster.node))
         )
     return sinks
+
+
+def _forward(config: Any, store: Any) -> Any:
+    """Fleet mode: what this scan committed goes to the fleet store; unreachable is not an
+    error of the scan (the events wait in this database for the next forward)."""
+    if not config.fleet.dsn:
+        return None
+    from ..notify.forward import Forwarder
+    from ..sources.identity import this_node
+
+    fwd = Forwarder(config, node=this_node(config.cluster.node))
+    try:
+        return fwd.forward(store, now=time.time())
+    finally:
+        fwd.close()
 
 
 @click.command()
@@ -175,6 +193,7 @@ def scan(
         finally:
             bar.close()
         undelivered = pipe.deliver_all(deadline=notify_timeout) if notify else 0
+        forwarded = _forward(config, store)
         elapsed = time.monotonic() - started
         runs = pipe.run_ids()
         names = (
@@ -201,6 +220,12 @@ def scan(
             "undelivered": undelivered,
             "counters": pipe.counters(),
         }
+        if forwarded is not None:
+            summary["fleet"] = {
+                "forwarded": forwarded.events,
+                "waiting": forwarded.waiting,
+                "error": forwarded.error,
+            }
         if as_json:
             emit_json(summary)
         else:
@@ -218,6 +243,12 @@ def scan(
                 click.echo("See `nanwatch show ID` for the story.")
             else:
                 click.echo("No incidents.")
+        if forwarded is not None and forwarded.error:
+            click.echo(
+                f"nanwatch: {forwarded.error}; {forwarded.waiting} event(s) wait to be "
+                "forwarded: the next scan or `nanwatch watch` on this database sends them.",
+                err=True,
+            )
         if undelivered:
             click.echo(
                 f"{undelivered} notification(s) not delivered within {notify_timeout:g}s are "
