@@ -43,6 +43,7 @@ PLAN: dict[str, dict[str, Any]] = {
     },
     "query": {"full": {"events": 1_000_000, "runs": 5}, "quick": {"events": 200_000, "runs": 3}},
     "adversarial": {"full": {"mb": 1.0}, "quick": {"mb": 0.25}},
+    "fleet": {"full": {"nodes": 128, "reads": 5}, "quick": {"nodes": 16, "reads": 3}},
     "hook": {
         "full": {"iters": 20000, "batch": 16, "repeat": 5},
         "quick": {"iters": 5000, "batch": 16, "repeat": 3},
@@ -130,6 +131,12 @@ def _adversarial(p: dict[str, Any]) -> dict[str, Any]:
     return adversarial.run(p["mb"])
 
 
+def _fleet(p: dict[str, Any]) -> dict[str, Any]:
+    from . import fleet
+
+    return fleet.run(p["nodes"], reads=p["reads"])
+
+
 def _hook(p: dict[str, Any]) -> dict[str, Any]:
     # in a process of its own: torch and mmengine stay out of this one
     out = subprocess.run(
@@ -160,6 +167,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "idle": _idle,
     "query": _query,
     "adversarial": _adversarial,
+    "fleet": _fleet,
     "hook": _hook,
 }
 

@@ -227,6 +227,43 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
                 f"query/queries/{name}/ms",
                 v["ms"],
             )
+    if "fleet" in s:
+        fl = s["fleet"]
+        n = fl["nodes"]
+        yield Row(
+            f"fleet: events forwarded per node into PostgreSQL ({n} nodes, {fl['events']:,} events)",
+            f"{fl['forward_events_per_s']:,} events/s",
+            "",
+            None,
+            "fleet/forward_events_per_s",
+            fl["forward_events_per_s"],
+        )
+        yield Row(
+            f"fleet: last node's events in -> fleet incident with its root ({n} nodes)",
+            f"{fl['root_latency_s']:.2f} s" + ("" if fl["root_found"] else " (root NOT found)"),
+            "<= 5 s",
+            fl["root_latency_s"] <= 5 and fl["root_found"],
+            "fleet/root_latency_s",
+            fl["root_latency_s"],
+        )
+        yield Row(
+            f"fleet store size ({n} nodes)",
+            f"{fl['bytes_per_node'] / 1024:.0f} KiB per node, {fl['bytes_per_event']} B per event",
+            "",
+            None,
+            "fleet/bytes_per_node",
+            fl["bytes_per_node"],
+        )
+        for name in ("incidents", "show"):
+            ms = fl[f"{name}_ms"]
+            yield Row(
+                f"fleet store `{name}` ({n} nodes)",
+                f"{_ms(ms)} (as a process: {_ms(fl[f'{name}_process_ms'])})",
+                "< 200 ms",
+                ms < 200,
+                f"fleet/{name}_ms",
+                ms,
+            )
     if "hook" in s:
         hk = s["hook"]
         yield Row(
