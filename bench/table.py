@@ -231,7 +231,8 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
         fl = s["fleet"]
         n = fl["nodes"]
         yield Row(
-            f"fleet: events forwarded per node into PostgreSQL ({n} nodes, {fl['events']:,} events)",
+            f"fleet: events forwarded per node into PostgreSQL ({n} nodes, "
+            f"{fl['events']:,} events)",
             f"{fl['forward_events_per_s']:,} events/s",
             "",
             None,
