@@ -12,6 +12,7 @@ import pytest
 
 from nanwatch.config import (
     _SCHEMA,
+    FLEET_PASSWORD_CREDENTIAL,
     SLACK_TOKEN_CREDENTIAL,
     SLACK_WEBHOOK_CREDENTIAL,
     load_config,
@@ -61,6 +62,16 @@ def test_the_unit_verifies_cleanly(tmp_path: Path) -> None:
     assert "Unknown key 'PrivateTpm'" in broken.stdout + broken.stderr
 
 
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+def test_the_fleet_unit_verifies_cleanly(tmp_path: Path) -> None:
+    text = (ROOT / "systemd" / "nanwatch-fleet.service").read_text()
+    assert "nanwatch fleet --config" in text and "LoadCredential=fleet-password" in text
+    unit = installed_copy(tmp_path, text)
+    unit = unit.rename(unit.with_name("nanwatch-fleet.service"))
+    result = verify(unit)
+    assert result.returncode == 0 and not result.stdout + result.stderr, result
+
+
 @pytest.mark.skipif(not shutil.which("systemd-sysusers"), reason="needs systemd-sysusers")
 def test_the_service_user_is_created_by_sysusers(tmp_path: Path) -> None:
     # verify does not resolve User=; the shipped sysusers.d entry is what makes it exist
@@ -101,7 +112,15 @@ def test_the_unit_says_what_the_service_relies_on() -> None:
     # the credentials the code reads, with a non-fatal empty default each
     loaded = {v.split(":")[0] for v in s["LoadCredential"]}
     defaults = {v.split(":")[0] for v in s["SetCredential"]}
-    assert loaded == defaults == {SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL}
+    assert (
+        loaded
+        == defaults
+        == {
+            SLACK_TOKEN_CREDENTIAL,
+            SLACK_WEBHOOK_CREDENTIAL,
+            FLEET_PASSWORD_CREDENTIAL,
+        }
+    )
     (execstart,) = s["ExecStart"]
     assert re.fullmatch(
         r"/usr/local/bin/nanwatch watch --quiet --config /etc/nanwatch/\S+", execstart
