@@ -27,8 +27,9 @@ READ_CHUNK = 4 << 20
 MAX_OPEN = 512
 
 
-class Tracker(CopyJudge):
-    """Keeps the records of every followed file and reads what is new in them."""
+class Tracker:
+    """Keeps the records of every followed file and reads what is new in them; its copy judge
+    tells which new files are rotated copies of followed ones (``copies``)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class Tracker(CopyJudge):
             "truncations": 0,
             "unreadable": 0,
         }
+        self.copies = CopyJudge(self)
         for rec in known:
             if rec.status == "active":
                 rec.target = link_target(rec.path)
@@ -162,7 +164,7 @@ class Tracker(CopyJudge):
         rec.target = link_target(path)
         rec.fd = fd
         self._remember_fd(rec)
-        self._place(rec, fd, size, wait=self.live)
+        self.copies.place(rec, fd, size, wait=self.live)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         elif size > 0:
@@ -256,7 +258,7 @@ class Tracker(CopyJudge):
             except OSError:
                 pass
 
-    def _ensure_fd(self, rec: SourceRecord) -> int | None:
+    def ensure_fd(self, rec: SourceRecord) -> int | None:
         if rec.fd is not None:
             self._open.move_to_end(rec.key)
             return rec.fd
@@ -271,6 +273,16 @@ class Tracker(CopyJudge):
         rec.fd = fd
         self._remember_fd(rec)
         return fd
+
+    def fd_size(self, rec: SourceRecord) -> tuple[int, int] | None:
+        """The record's descriptor and its file's size now, or None when it cannot be read."""
+        fd = self.ensure_fd(rec)
+        if fd is None:
+            return None
+        try:
+            return fd, os.fstat(fd).st_size
+        except OSError:
+            return None
 
     def close_fd(self, rec: SourceRecord) -> None:
         if rec.fd is not None:
@@ -292,11 +304,22 @@ class Tracker(CopyJudge):
         self.retired.append(rec)
         self.retired = self.retired[-256:]
 
+    def retire_vanished(self, rec: SourceRecord) -> str:
+        """Retire a record whose path no longer shows its file, drained through its open
+        descriptor: 'rotated' while the file still has a name somewhere, else 'gone'."""
+        try:
+            st = os.fstat(rec.fd) if rec.fd is not None else None
+        except OSError:
+            st = None
+        status = "rotated" if st is not None and st.st_nlink > 0 else "gone"
+        self._retire(rec, status)
+        return status
+
     def check(self, rec: SourceRecord) -> str:
         """Verify a record before reading: 'ok', 'truncated', 'replaced' or 'gone'."""
         if rec.status not in ("active", "copied-pending", "pending"):
             return rec.status
-        fd = self._ensure_fd(rec)
+        fd = self.ensure_fd(rec)
         if fd is None:
             return "gone"
         try:
@@ -354,7 +377,7 @@ class Tracker(CopyJudge):
         """Yield chunks of complete new lines; ``final`` also gives an unterminated last line."""
         if rec.status == "pending":
             return
-        if rec.unjudged and rec.offset == 0 and not self._judge(rec):
+        if rec.unjudged and rec.offset == 0 and not self.copies.judge(rec):
             return
         verdict = self.check(rec)
         if verdict in ("truncated", "replaced"):
@@ -500,7 +523,12 @@ class Tracker(CopyJudge):
                 tail_hash = None
         return Chunk(rec, data, start, end, tail_hash, head_hash, head_len, cutting, cut)
 
-    def committed(self, chunk: Chunk) -> None:
+    def settle_pending(self) -> list[SourceRecord]:
+        """Decide files that waited to learn whether they are rotated copies; return them."""
+        return self.copies.settle_pending()
+
+    @staticmethod
+    def committed(chunk: Chunk) -> None:
         """The store has the chunk's events and offset: move the record forward."""
         if chunk.final:
             return
