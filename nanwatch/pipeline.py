@@ -7,19 +7,18 @@ sender thread only reads and reports back.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
+from .committer import Committer, Stats
 from .config import Config
-from .correlate import Change
+from .correlate import Change, Correlator
 from .detect import Detector, RuleSet
 from .errors import StoreError
 from .notify.outbox import Outbox, Result, Sender, Sink
 from .passes import Passes
-from .sources import Root, make_roots
+from .sources import Root, Tracker, make_roots
 from .sources.watcher import Watcher, choose_mode
 from .store import Store
 from .store.db import damaged, is_damage
@@ -61,12 +60,126 @@ class Backoff:
         self.delay, self._at = 0.0, None
 
 
-class Pipeline(Passes):
-    """Follows the given paths into the store. ``live`` means `watch` (files keep growing)."""
+class Pipeline:
+    """Follows the given paths into the store. ``live`` means `watch` (files keep growing).
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    A pass loop (``passes.Passes``) does the reading, committing and correlating; the pipeline
+    repeats its passes as files change, survives an unwritable database, delivers what the
+    passes queued, and swaps configuration between passes."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        paths: Sequence[str],
+        *,
+        run: str | None = None,
+        live: bool = False,
+        sinks: Sequence[Sink] = (),
+        rules: RuleSet | None = None,
+        on_changes: Callable[[list[Change]], None] | None = None,
+    ) -> None:
+        self.passes = Passes(
+            config,
+            store,
+            paths,
+            run=run,
+            live=live,
+            sinks=sinks,
+            rules=rules,
+            on_changes=on_changes,
+        )
         self.retry = Backoff()  # tests give it a clock of their own
+        self.mode = "scan"
+        self.paused: str | None = None  # why the database could not be written, while it can't
+        self._stop: threading.Event | None = None
+        self._reconfigured = False
+
+    # -- what the passes hold (read by the CLI, the daemon's status and tests) -------------------
+
+    @property
+    def config(self) -> Config:
+        return self.passes.config
+
+    @property
+    def store(self) -> Store:
+        return self.passes.store
+
+    @property
+    def live(self) -> bool:
+        return self.passes.live
+
+    @property
+    def roots(self) -> list[Root]:
+        return self.passes.roots
+
+    @property
+    def tracker(self) -> Tracker:
+        return self.passes.tracker
+
+    @property
+    def stats(self) -> Stats:
+        return self.passes.stats
+
+    @property
+    def detector(self) -> Detector:
+        return self.passes.detector
+
+    @property
+    def correlator(self) -> Correlator:
+        return self.passes.correlator
+
+    @property
+    def committer(self) -> Committer:
+        return self.passes.committer
+
+    @property
+    def outbox(self) -> Outbox | None:
+        return self.passes.outbox
+
+    @property
+    def sinks(self) -> list[Sink]:
+        return self.passes.sinks
+
+    @property
+    def wake(self) -> threading.Event:
+        return self.passes.wake
+
+    @property
+    def on_progress(self) -> Callable[[], None] | None:
+        """Called on the writer thread after every commit (a catch-up's progress bar)."""
+        return self.passes.committer.on_progress
+
+    @on_progress.setter
+    def on_progress(self, hook: Callable[[], None] | None) -> None:
+        self.passes.committer.on_progress = hook
+
+    @property
+    def now_utc(self) -> Callable[[], str]:
+        """When events count as read (their ``ingested_at``); a replay sets its own clock."""
+        return self.passes.committer.now_utc
+
+    @now_utc.setter
+    def now_utc(self, clock: Callable[[], str]) -> None:
+        self.passes.committer.now_utc = clock
+
+    def step(
+        self, *, final: bool = False, discover: bool = True, only: Iterable[str] | None = None
+    ) -> list[Change]:
+        """One pass (see ``Passes.step``)."""
+        return self.passes.step(final=final, discover=discover, only=only)
+
+    def scan(self) -> list[Change]:
+        """Read every file to its end once (unterminated last lines included)."""
+        return self.passes.scan()
+
+    def run_ids(self) -> list[int]:
+        return self.passes.run_ids()
+
+    def counters(self) -> dict[str, int]:
+        return self.passes.counters()
+
+    # -- stop and deliver ------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         """Ask a running `watch` to commit what it has read and return (signal-safe).
@@ -74,15 +187,16 @@ class Pipeline(Passes):
         A pass under way goes on reading for at most ``STOP_GRACE`` seconds more: a stop in
         the middle of a long catch-up commits what was read and leaves the rest for the next
         start."""
-        if self._stop_by is None:
-            self._stop_by = time.monotonic() + STOP_GRACE
+        if self.passes.stop_by is None:
+            self.passes.stop_by = time.monotonic() + STOP_GRACE
         if self._stop is not None:
             self._stop.set()
         self.wake.set()
 
     def deliver_all(self, *, deadline: float = 600.0) -> int:
         """Deliver every queued notification now (scan --notify); returns what is still queued."""
-        if self.outbox is None:
+        outbox = self.outbox
+        if outbox is None:
             return 0
         sender = Sender(str(self.store.path), self.sinks)
         reader = Store.open(self.store.path, readonly=True)
@@ -92,17 +206,14 @@ class Pipeline(Passes):
                 sender.deliver_due(reader)
                 self._record(sender.drain_results())
                 # rows held by a silence wait for it to end, not for this scan
-                row = self.store.conn.execute(
-                    "SELECT count(*), min(due_at) FROM outbox WHERE delivered_at IS NULL "
-                    "AND coalesce(last_error, '') NOT LIKE 'silenced%'"
-                ).fetchone()
-                if not row[0]:
+                left, first_due = outbox.waiting()
+                if not left:
                     return 0
-                wait = max(0.05, min((row[1] or 0) - time.time(), end - time.monotonic()))
+                wait = max(0.05, min((first_due or 0) - time.time(), end - time.monotonic()))
                 time.sleep(min(wait, 60.0))
         finally:
             reader.close()
-        return self.outbox.pending(include_silenced=False)
+        return outbox.pending(include_silenced=False)
 
     # -- watch -----------------------------------------------------------------------------------
 
@@ -134,7 +245,7 @@ class Pipeline(Passes):
         if sender is not None:
             sender.start()
         try:
-            self._safe_step(stop)
+            self._safe_step()
             if mode == "inotify":
                 watcher.follow(self.tracker.link_dirs())
             if on_ready is not None:
@@ -172,7 +283,7 @@ class Pipeline(Passes):
                 if self.paused is not None and not self.retry.due():
                     changes = None  # woken while the database refuses: wait for the turn
                 else:
-                    changes = self._safe_step(stop, discover=full, only=None if full else dirty)
+                    changes = self._safe_step(discover=full, only=None if full else dirty)
                 if mode == "inotify":
                     watcher.follow(self.tracker.link_dirs())
                 if changes is not None:
@@ -191,7 +302,7 @@ class Pipeline(Passes):
                     wake.set()  # read the new sources now
                     last_full = 0.0
             # drain: whatever was written up to now is committed before exit
-            self._safe_step(None)
+            self._safe_step()
         finally:
             watcher.stop()
             if sender is not None:
@@ -199,11 +310,7 @@ class Pipeline(Passes):
                 deadline = time.monotonic() + 2.0
                 while time.monotonic() < deadline and self.outbox is not None:
                     self._record(sender.drain_results())
-                    due = self.store.conn.execute(
-                        "SELECT count(*) FROM outbox WHERE delivered_at IS NULL AND due_at <= ?",
-                        (time.time(),),
-                    ).fetchone()[0]
-                    if not due:
+                    if not self.outbox.due(time.time()):
                         break
                     time.sleep(0.05)
                 # longer than a sink's HTTP timeout: a reply that arrives is recorded, not lost
@@ -236,50 +343,9 @@ class Pipeline(Passes):
         resumes where they stopped; files of new sources resume from their stored offsets.
         """
         roots = make_roots(list(paths), must_exist=not self.live)
-        self.config = config
-        self.forced_run = self._run_arg or config.cluster.run
-        self._dirty_runs.update(self.run_ids())  # [cluster] may name them differently now
-        if self.live:
-            self.correlator.resolve_after = config.alerts.resolve_after
-        if rules is not None:
-            self.rules = rules
-            counters = self.detector.counters
-            self.detector = Detector(rules)
-            self.detector.counters.update(counters)  # counters count since start
-        if sinks is not None:
-            self.sinks = list(sinks)
-            self.outbox = Outbox(self.store, self.sinks) if self.sinks else None
-        # Tracker and Watcher hold this very list: change it in place.
-        self.roots[:] = roots
-        for rec in list(self.tracker.records.values()):
-            root = self._root_of(rec.path, rec.root)
-            if root is None:
-                self.tracker.close_fd(rec)
-                del self.tracker.records[rec.key]
-            else:
-                rec.root = root
-        kept = []
-        for rec in self.tracker.retired:
-            root = self._root_of(rec.path, rec.root)
-            if root is not None:
-                rec.root = root
-                kept.append(rec)
-        self.tracker.retired = kept
-        known_ids = {r.id for r in self.tracker.records.values()} | {r.id for r in kept}
-        for rec in self._known():
-            if rec.id in known_ids:
-                continue
-            if rec.status == "active":
-                self.tracker.records.setdefault(rec.key, rec)
-            else:
-                self.tracker.retired.append(rec)
+        self.passes.reconfigure(config, roots, rules=rules, sinks=sinks)
         self._reconfigured = True
         self.wake.set()
-
-    def _root_of(self, path: str, current: Root) -> Root | None:
-        if current in self.roots:
-            return current
-        return next((r for r in self.roots if r.contains(path)), None)
 
     def _rewatch(self, watcher: Watcher, mode: str) -> str:
         """After a reload: watch new roots, forget old ones, pick the mode again."""
@@ -303,15 +369,13 @@ class Pipeline(Passes):
         sender.start()
         return sender
 
-    def _safe_step(self, stop: threading.Event | None, **kw: Any) -> list[Change] | None:
+    def _safe_step(
+        self, *, discover: bool = True, only: Iterable[str] | None = None
+    ) -> list[Change] | None:
         """A step that survives an unwritable database (disk full, I/O error): nothing is
         committed, so nothing is lost; the daemon says so once, waits and tries again."""
         try:
-            changes = self.step(**kw)
-        except sqlite3.DatabaseError as e:
-            if is_damage(e):
-                raise damaged(self.store.path, str(e)) from None
-            raise
+            changes = self.step(discover=discover, only=only)
         except StoreError as e:
             if e.damaged:
                 raise  # a corrupt file does not heal: stop, and let the message say how to recover
@@ -326,6 +390,10 @@ class Pipeline(Passes):
                 )
             self.paused = str(e)
             return None
+        except Exception as e:
+            if is_damage(e):  # SQLite's own error, met by a read
+                raise damaged(self.store.path, str(e)) from None
+            raise
         self.retry.reset()
         if self.paused is not None:
             log.warning("the database is writable again; resumed")

@@ -473,13 +473,13 @@ def test_a_paused_watch_retries_on_its_backoff_not_on_every_wake_up(
     pipe.retry = Backoff(clock=lambda: now[0])
     fed = _feeds(pipe)
     attempts: list[int] = []
-    real_write = pipe._write
+    real_write = pipe.committer.write
 
     def write(batch: Any) -> None:
         attempts.append(len(batch))
         real_write(batch)
 
-    pipe._write = write  # type: ignore[method-assign]
+    pipe.committer.write = write  # type: ignore[method-assign]
     ticks = [0]
     release = threading.Event()
 

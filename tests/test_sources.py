@@ -251,7 +251,7 @@ def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
         copy.touch()  # logrotate created its copy
         live.step()
         tracker = live.pipe.tracker
-        looked = tracker._fd_size
+        looked = tracker.fd_size
 
         def look_then_logrotate_copies(rec: SourceRecord) -> tuple[int, int] | None:
             got = looked(rec)  # the copy is still empty when the tracker looks...
@@ -259,7 +259,7 @@ def test_copy_bytes_landing_just_after_an_empty_look_are_not_read_from_zero(
                 finish_copytruncate(log, copy, text)  # ...and filled right after
             return got
 
-        tracker._fd_size = look_then_logrotate_copies  # type: ignore[method-assign]
+        tracker.fd_size = look_then_logrotate_copies  # type: ignore[method-assign]
         assert iters_after_two_passes(live, db) == list(range(1, 21))
 
 

@@ -226,6 +226,21 @@ class Outbox:
             sql += f" AND coalesce(last_error, '') NOT LIKE '{SILENCED}%'"
         return int(self.store.conn.execute(sql).fetchone()[0])
 
+    def waiting(self) -> tuple[int, float | None]:
+        """Undelivered rows not held by a silence, and when the first of them is due."""
+        row = self.store.conn.execute(
+            "SELECT count(*), min(due_at) FROM outbox WHERE delivered_at IS NULL "
+            f"AND coalesce(last_error, '') NOT LIKE '{SILENCED}%'"
+        ).fetchone()
+        return int(row[0]), row[1]
+
+    def due(self, now: float) -> int:
+        """Undelivered rows due by ``now`` (silenced ones included)."""
+        row = self.store.conn.execute(
+            "SELECT count(*) FROM outbox WHERE delivered_at IS NULL AND due_at <= ?", (now,)
+        ).fetchone()
+        return int(row[0])
+
 
 def load_incident(conn: Any, incident_id: int) -> dict[str, Any] | None:
     from ..query import incident_dict

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..stream import StreamState
 from .records import SourceRecord, holds, rotated_name_of, rotation_base
@@ -24,20 +24,27 @@ COPY_GRACE = 10.0  # seconds a new file may wait for its twin's truncation
 PREFIX_CHECK = 64 << 10  # bytes compared at each end of a copy caught while being written
 
 
-class CopyJudge:
-    """The part of the tracker that recognises rotated copies of the files it follows."""
+class Files(Protocol):
+    """What the judge needs of the tracker: the records it follows and their descriptors."""
 
     records: dict[tuple[int, int], SourceRecord]
-    retired: list[SourceRecord]
+    retired: list[SourceRecord]  # replaced, not only appended to: read it each time
     counters: dict[str, int]
 
-    if TYPE_CHECKING:  # the tracker's descriptors and checks
+    def ensure_fd(self, rec: SourceRecord) -> int | None: ...
 
-        def _ensure_fd(self, rec: SourceRecord) -> int | None: ...
+    def fd_size(self, rec: SourceRecord) -> tuple[int, int] | None: ...
 
-        def check(self, rec: SourceRecord) -> str: ...
+    def check(self, rec: SourceRecord) -> str: ...
 
-    def _place(self, rec: SourceRecord, fd: int, size: int, *, wait: bool) -> None:
+
+class CopyJudge:
+    """Recognises rotated copies of the files a tracker follows."""
+
+    def __init__(self, files: Files) -> None:
+        self.files = files
+
+    def place(self, rec: SourceRecord, fd: int, size: int, *, wait: bool) -> None:
         """Is a new file (or one that just got its first bytes) a rotated copy of a followed
         one? A copy whose twin was truncated or renamed resumes at the twin's offset. With
         ``wait`` (live, a restart's first walk included) a possible copy waits, up to
@@ -60,29 +67,19 @@ class CopyJudge:
             rec.copy_of = twin
             rec.since = time.monotonic()
 
-    def _judge(self, rec: SourceRecord) -> bool:
+    def judge(self, rec: SourceRecord) -> bool:
         """First bytes in a file that was empty with a rotated name: is it a copy? True when it
         is to be read now."""
-        got = self._fd_size(rec)
+        got = self.files.fd_size(rec)
         if got is None or got[1] == 0:
             # nothing to read; judged when bytes come. Not read now: bytes a copy writes just
             # after this look would be read from byte 0
             return False
         rec.unjudged = False
-        self._place(rec, *got, wait=True)
+        self.place(rec, *got, wait=True)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         return rec.status != "pending"
-
-    def _fd_size(self, rec: SourceRecord) -> tuple[int, int] | None:
-        """The record's descriptor and its file's size now, or None when it cannot be read."""
-        fd = self._ensure_fd(rec)
-        if fd is None:
-            return None
-        try:
-            return fd, os.fstat(fd).st_size
-        except OSError:
-            return None
 
     def _copy_candidate(
         self, rec: SourceRecord, fd: int, size: int, *, partial: bool = False
@@ -94,7 +91,7 @@ class CopyJudge:
         if rotation_base(rec.path) == os.path.basename(rec.path):
             return None  # only a name with a rotation suffix (.1, -20261130) can be a copy
         folder = os.path.dirname(rec.path)
-        pool = [*self.records.values(), *self.retired]
+        pool = [*self.files.records.values(), *self.files.retired]
         for other in pool:
             if other is rec or other.offset <= 0 or other.tail_hash is None:
                 continue
@@ -113,7 +110,7 @@ class CopyJudge:
     def _prefix_of(self, fd: int, size: int, other: SourceRecord) -> bool:
         """Are the ``size`` bytes behind ``fd`` (their first and last 64 KiB) the start of
         ``other``'s file as it is now?"""
-        theirs = self._ensure_fd(other)
+        theirs = self.files.ensure_fd(other)
         if theirs is None or size <= 0:
             return False
         spans = [(0, min(size, PREFIX_CHECK))]
@@ -137,11 +134,11 @@ class CopyJudge:
         if (st.st_dev, st.st_ino) != twin.key:
             return True
         # truncated, or truncated and regrown with other bytes (e.g. while nanwatch was stopped)
-        return self.check(twin) in ("truncated", "replaced")
+        return self.files.check(twin) in ("truncated", "replaced")
 
     def _continue_from(self, rec: SourceRecord, twin: SourceRecord) -> None:
         log.info("%s: rotated copy of %s; reading from byte %d", rec.path, twin.path, twin.offset)
-        self.counters["rotations"] += 1
+        self.files.counters["rotations"] += 1
         rec.offset = twin.offset
         rec.tail_hash = twin.tail_hash
         rec.head_hash = twin.head_hash
@@ -162,12 +159,12 @@ class CopyJudge:
         """Decide files that waited to learn whether they are rotated copies; return them."""
         now = time.monotonic()
         settled = []
-        for rec in list(self.records.values()):
+        for rec in list(self.files.records.values()):
             if rec.status != "pending" or rec.copy_of is None:
                 continue
             twin = rec.copy_of
             # a copy still being written (or no copy after all) waits, within the grace
-            got = self._fd_size(rec) if rec.offset == 0 else None
+            got = self.files.fd_size(rec) if rec.offset == 0 else None
             complete = rec.offset > 0
             if got is not None:
                 # complete now, it may hold another generation's bytes than the one whose
@@ -177,7 +174,7 @@ class CopyJudge:
                     twin = rec.copy_of = found
                     complete = True
             if complete:
-                self.check(twin)
+                self.files.check(twin)
                 if self._twin_rotated(twin):
                     self._continue_from(rec, twin)
                     settled.append(rec)

@@ -23,12 +23,13 @@ launch as long as it sees the same tier: the hook or the config make that certai
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..config import ClusterConfig
 
 _MMENGINE_TS = re.compile(r"^\d{8}_\d{6}$")
 _NONE = {"", "none", "null", "unknown"}
@@ -52,21 +53,22 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1", "0.0.0.0") or host.startswith("127.")
 
 
-def _get(facts: Mapping[str, Any], section: str, key: str) -> str | None:
-    value = (facts.get(section) or {}).get(key) if isinstance(facts.get(section), dict) else None
+def _get(facts: Mapping[str, object], section: str, key: str) -> str | None:
+    part = facts.get(section)
+    value = part.get(key) if isinstance(part, dict) else None
     if value is None:
         return None
     text = str(value).strip()
     return None if text.lower() in _NONE else text
 
 
-def _first(facts: Mapping[str, Any], key: str) -> str | None:
+def _first(facts: Mapping[str, object], key: str) -> str | None:
     """The hook's value (``facts.job``), else what the logs printed (``facts.launch``)."""
     return _get(facts, "job", key) or _get(facts, "launch", key)
 
 
 def mmengine_run(
-    experiment: str | None, launch: str | None, facts: Mapping[str, Any]
+    experiment: str | None, launch: str | None, facts: Mapping[str, object]
 ) -> str | None:
     """mmengine's ``Exp name``: ``<experiment>_<timestamp>`` from the launch folder, else the
     name it printed. The folder is known from the first byte on, so it is preferred."""
@@ -81,7 +83,7 @@ def derive(
     job: str | None = None,
     run: str | None = None,
     node: str | None = None,
-    facts: Mapping[str, Any] | None = None,
+    facts: Mapping[str, object] | None = None,
     local_name: str = "",
     experiment: str | None = None,
     launch: str | None = None,
@@ -118,20 +120,33 @@ def derive(
     )
 
 
-def identity_of_row(row: Mapping[str, Any], cluster: Any) -> Identity:
-    """:func:`derive` for a ``runs`` row (``facts`` as stored: JSON text or a dict)."""
-    facts = row.get("facts") or {}
-    if isinstance(facts, str):
-        facts = json.loads(facts or "{}")
+def identity_of_run(
+    *,
+    name: str,
+    experiment: str | None,
+    launch: str | None,
+    facts: Mapping[str, object],
+    cluster: ClusterConfig,
+    forced_run: str | None = None,
+) -> Identity:
+    """:func:`derive` for one stored run; ``forced_run`` (``--run NAME``) stands for
+    ``[cluster] run``."""
     return derive(
-        job=getattr(cluster, "job", None),
-        run=getattr(cluster, "run", None),
-        node=getattr(cluster, "node", None),
+        job=cluster.job,
+        run=forced_run or cluster.run,
+        node=cluster.node,
         facts=facts,
-        local_name=str(row.get("name") or ""),
-        experiment=row.get("experiment"),
-        launch=row.get("launch"),
+        local_name=name,
+        experiment=experiment,
+        launch=launch,
     )
+
+
+def stored_names(ident: Identity) -> tuple[str | None, str | None]:
+    """``runs.job`` and ``runs.cluster_run`` for an identity: both NULL when nothing
+    cluster-wide names the run (alerts then use the local run name, and ``nanwatch merge``
+    keeps such runs apart per node)."""
+    return (None, None) if ident.source == "local" else (ident.job, ident.run)
 
 
 def rank_fill(
@@ -156,54 +171,3 @@ def rank_fill(
     if rank is not None and local_rank is None:
         local_rank = rank % nproc
     return rank, local_rank
-
-
-def refresh(
-    store: Any, cluster: Any, run_ids: Iterable[int], *, run: str | None = None
-) -> list[int]:
-    """Store the derived identity of these runs (``runs.job``, ``cluster_run``, ``node``);
-    returns the ids whose identity changed. ``run`` (``--run NAME``) stands for ``[cluster] run``.
-
-    ``job`` and ``cluster_run`` stay NULL when nothing cluster-wide names the run: alerts then
-    use the local run name, and ``nanwatch merge`` keeps such runs apart per node.
-    """
-    changed: list[int] = []
-    for rid in sorted(set(run_ids)):
-        row = store.conn.execute(
-            "SELECT id, name, experiment, launch, facts, job, cluster_run, node FROM runs "
-            "WHERE id = ?",
-            (rid,),
-        ).fetchone()
-        if row is None:
-            continue
-        keys = ("id", "name", "experiment", "launch", "facts", "job", "cluster_run", "node")
-        current = dict(zip(keys, row))
-        ident = identity_of_row(current, _Cluster(cluster, run))
-        job, crun = (None, None) if ident.source == "local" else (ident.job, ident.run)
-        if (job, crun, ident.node) != (current["job"], current["cluster_run"], current["node"]):
-            store.execute(
-                "UPDATE runs SET job = ?, cluster_run = ?, node = ? WHERE id = ?",
-                (job, crun, ident.node, rid),
-            )
-            changed.append(rid)
-    return changed
-
-
-@dataclass(frozen=True)
-class _Cluster:
-    """``[cluster]`` with ``--run`` standing in for its ``run``."""
-
-    base: Any
-    forced_run: str | None
-
-    @property
-    def job(self) -> str | None:
-        return getattr(self.base, "job", None)
-
-    @property
-    def run(self) -> str | None:
-        return self.forced_run or getattr(self.base, "run", None)
-
-    @property
-    def node(self) -> str | None:
-        return getattr(self.base, "node", None)

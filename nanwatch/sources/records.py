@@ -105,6 +105,7 @@ class SourceRecord:
     copy_of: SourceRecord | None = None
     unjudged: bool = False  # an empty file with a rotated name: a copy may still be written in
     resumed: bool = False  # took its twin's offset: to be stored even though nothing was read
+    saved_status: str | None = None  # the status the store was last given for it (retired)
     # the file a symlink's name leads to: writes there are not seen through the link's folder
     target: str | None = None
     fd: int | None = None

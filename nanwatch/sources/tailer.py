@@ -2,12 +2,12 @@
 
 Identity is not the path (ARCHITECTURE.md, invariant 3): a record is one generation of one
 inode. A file found smaller than its committed offset, or whose bytes just before the offset
-changed, starts a new generation from 0. Rotated copies are judged in ``copies``.
+changed, starts a new generation from 0. Rotated copies are judged in ``copies``;
+the lines themselves are read in ``lines``.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from ..stream import StreamState
 from .copies import CopyJudge
 from .discover import Root, rank_from_path, settle_roots, sniff_bytes, walk
-from .records import HEAD, TAIL, Chunk, SourceRecord, digest, link_target
+from .lines import read_lines
+from .records import TAIL, Chunk, SourceRecord, digest, link_target
 
 log = logging.getLogger("nanwatch.sources")
 
@@ -27,8 +28,9 @@ READ_CHUNK = 4 << 20
 MAX_OPEN = 512
 
 
-class Tracker(CopyJudge):
-    """Keeps the records of every followed file and reads what is new in them."""
+class Tracker:
+    """Keeps the records of every followed file and reads what is new in them; its copy judge
+    tells which new files are rotated copies of followed ones (``copies``)."""
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class Tracker(CopyJudge):
             "truncations": 0,
             "unreadable": 0,
         }
+        self.copies = CopyJudge(self)
         for rec in known:
             if rec.status == "active":
                 rec.target = link_target(rec.path)
@@ -162,7 +165,7 @@ class Tracker(CopyJudge):
         rec.target = link_target(path)
         rec.fd = fd
         self._remember_fd(rec)
-        self._place(rec, fd, size, wait=self.live)
+        self.copies.place(rec, fd, size, wait=self.live)
         if rec.copy_of is not None:
             rec.run_id = rec.copy_of.run_id
         elif size > 0:
@@ -256,7 +259,7 @@ class Tracker(CopyJudge):
             except OSError:
                 pass
 
-    def _ensure_fd(self, rec: SourceRecord) -> int | None:
+    def ensure_fd(self, rec: SourceRecord) -> int | None:
         if rec.fd is not None:
             self._open.move_to_end(rec.key)
             return rec.fd
@@ -271,6 +274,16 @@ class Tracker(CopyJudge):
         rec.fd = fd
         self._remember_fd(rec)
         return fd
+
+    def fd_size(self, rec: SourceRecord) -> tuple[int, int] | None:
+        """The record's descriptor and its file's size now, or None when it cannot be read."""
+        fd = self.ensure_fd(rec)
+        if fd is None:
+            return None
+        try:
+            return fd, os.fstat(fd).st_size
+        except OSError:
+            return None
 
     def close_fd(self, rec: SourceRecord) -> None:
         if rec.fd is not None:
@@ -292,11 +305,22 @@ class Tracker(CopyJudge):
         self.retired.append(rec)
         self.retired = self.retired[-256:]
 
+    def retire_vanished(self, rec: SourceRecord) -> str:
+        """Retire a record whose path no longer shows its file, drained through its open
+        descriptor: 'rotated' while the file still has a name somewhere, else 'gone'."""
+        try:
+            st = os.fstat(rec.fd) if rec.fd is not None else None
+        except OSError:
+            st = None
+        status = "rotated" if st is not None and st.st_nlink > 0 else "gone"
+        self._retire(rec, status)
+        return status
+
     def check(self, rec: SourceRecord) -> str:
         """Verify a record before reading: 'ok', 'truncated', 'replaced' or 'gone'."""
         if rec.status not in ("active", "copied-pending", "pending"):
             return rec.status
-        fd = self._ensure_fd(rec)
+        fd = self.ensure_fd(rec)
         if fd is None:
             return "gone"
         try:
@@ -354,7 +378,7 @@ class Tracker(CopyJudge):
         """Yield chunks of complete new lines; ``final`` also gives an unterminated last line."""
         if rec.status == "pending":
             return
-        if rec.unjudged and rec.offset == 0 and not self._judge(rec):
+        if rec.unjudged and rec.offset == 0 and not self.copies.judge(rec):
             return
         verdict = self.check(rec)
         if verdict in ("truncated", "replaced"):
@@ -373,134 +397,21 @@ class Tracker(CopyJudge):
         fd = rec.fd
         if fd is None:
             return
-        offset = rec.offset
-        cutting = rec.cutting
-        head_hash, head_len = rec.head_hash, rec.head_len
-        while True:
-            try:
-                data = os.pread(fd, self.read_chunk, offset)
-            except OSError as e:
-                log.warning("%s: read failed (%s); will retry", rec.path, e.strerror)
-                return
-            if not data:
-                return
-            if not cutting and data[:1] == b"\0":
-                # a hole: a writer without O_APPEND goes on at its old offset after
-                # copytruncate, and the bytes before it read back as NULs; they are no line
-                skip = self._hole(fd, offset, data)
-                if skip is None:
-                    return  # NULs up to the end: maybe bytes still being written, wait
-                offset += skip
-                yield self._chunk(rec, b"", offset - skip, offset, head_hash, head_len, False)
-                continue
-            start = offset
-            skipped = 0
-            if cutting:
-                nl = data.find(b"\n")
-                if nl < 0:
-                    offset += len(data)
-                    yield self._chunk(rec, b"", start, offset, head_hash, head_len, True)
-                    if len(data) < self.read_chunk:
-                        return
-                    continue
-                skipped = nl + 1
-                cutting = False
-            body = data[skipped:]
-            last = body.rfind(b"\n")
-            cut = 0
-            if last < 0:
-                if len(body) >= self.max_line:
-                    # over-long line: keep its first max_line bytes as a line, skip the rest
-                    self.counters["lines_cut"] += 1
-                    rec.lines_cut += 1
-                    log.warning(
-                        "%s: line at byte %d longer than %d bytes; cut",
-                        rec.path,
-                        start + skipped,
-                        self.max_line,
-                    )
-                    line = body[: self.max_line] + b"\n"
-                    offset = start + len(data)
-                    if head_len < HEAD:
-                        head_hash, head_len = self._head(fd)
-                    yield self._chunk(
-                        rec, line, start + skipped, offset, head_hash, head_len, True, 1
-                    )
-                    cutting = True
-                    continue
-                if final and body:
-                    yield Chunk(
-                        rec,
-                        body + b"\n",
-                        start + skipped,
-                        start + skipped,
-                        None,
-                        head_hash,
-                        head_len,
-                        cutting,
-                        0,
-                        True,
-                    )
-                if skipped:
-                    offset = start + skipped
-                    yield self._chunk(rec, b"", start, offset, head_hash, head_len, False)
-                return
-            lines = body[: last + 1]
-            offset = start + skipped + last + 1
-            if head_len < HEAD:
-                head_hash, head_len = self._head(fd)
-            yield self._chunk(rec, lines, start + skipped, offset, head_hash, head_len, False, cut)
-            if len(data) < self.read_chunk and final and last + 1 < len(body):
-                rest = body[last + 1 :]
-                yield Chunk(
-                    rec, rest + b"\n", offset, offset, None, head_hash, head_len, False, 0, True
-                )
-                return
+        yield from read_lines(
+            rec,
+            fd,
+            final=final,
+            read_chunk=self.read_chunk,
+            max_line=self.max_line,
+            counters=self.counters,
+        )
 
-    def _hole(self, fd: int, offset: int, data: bytes) -> int | None:
-        """How many NUL bytes to skip at ``offset`` (``data`` read there): the run up to the
-        next byte of text, or None when nothing but NULs follows yet."""
-        run = len(data) - len(data.lstrip(b"\0"))
-        if run < len(data):
-            return run
-        if len(data) < self.read_chunk:
-            return None
-        try:
-            # a sparse hole is skipped whole; a run of written zeros, a chunk at a time
-            after = os.lseek(fd, offset + run, os.SEEK_DATA)
-        except OSError as e:
-            # ENXIO: only a hole follows (the writer's bytes are still to come)
-            return None if e.errno == errno.ENXIO else run
-        return max(run, after - offset)
+    def settle_pending(self) -> list[SourceRecord]:
+        """Decide files that waited to learn whether they are rotated copies; return them."""
+        return self.copies.settle_pending()
 
-    def _head(self, fd: int) -> tuple[str | None, int]:
-        try:
-            head = os.pread(fd, HEAD, 0)
-        except OSError:
-            return None, 0
-        return digest(head), len(head)
-
-    def _chunk(
-        self,
-        rec: SourceRecord,
-        data: bytes,
-        start: int,
-        end: int,
-        head_hash: str | None,
-        head_len: int,
-        cutting: bool,
-        cut: int = 0,
-    ) -> Chunk:
-        tail_hash = None
-        if end > 0 and rec.fd is not None:
-            lo = max(0, end - TAIL)
-            try:
-                tail_hash = digest(os.pread(rec.fd, end - lo, lo))
-            except OSError:
-                tail_hash = None
-        return Chunk(rec, data, start, end, tail_hash, head_hash, head_len, cutting, cut)
-
-    def committed(self, chunk: Chunk) -> None:
+    @staticmethod
+    def committed(chunk: Chunk) -> None:
         """The store has the chunk's events and offset: move the record forward."""
         if chunk.final:
             return

@@ -24,6 +24,7 @@ __all__ = [
     "OutboxRow",
     "Run",
     "Silence",
+    "Source",
     "StoredEvent",
     "loads",
 ]
@@ -187,3 +188,27 @@ class Silence:
     until: float
     created_at: str
     comment: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One generation of one followed file and its committed offset (the ``sources`` table).
+
+    ``id`` is None until the store has the row; ``ctx`` is the stream state at ``offset``
+    (JSON text: the sources stage owns its shape)."""
+
+    id: int | None
+    run_id: int | None
+    path: str
+    root: str  # the configured PATH spec the file was found under
+    dev: int
+    ino: int
+    gen: int
+    offset: int
+    head_hash: str | None
+    head_len: int
+    tail_hash: str | None
+    cutting: bool
+    lines_cut: int
+    status: str
+    ctx: str | None
