@@ -16,9 +16,11 @@ from .config import Config
 from .correlate import Change, Correlator
 from .detect import Detector, RuleSet
 from .errors import StoreError
+from .notify.forward import Forwarder
 from .notify.outbox import Outbox, Result, Sender, Sink
 from .passes import Passes
 from .sources import Root, Tracker, make_roots
+from .sources.identity import this_node
 from .sources.watcher import Watcher, choose_mode
 from .store import Store
 from .store.db import damaged, is_damage
@@ -94,6 +96,10 @@ class Pipeline:
         self.paused: str | None = None  # why the database could not be written, while it can't
         self._stop: threading.Event | None = None
         self._reconfigured = False
+        # fleet mode: what `watch` commits goes on to the fleet store after its pass
+        self.forwarder: Forwarder | None = None
+        if live and config.fleet.dsn:
+            self.forwarder = Forwarder(config, node=this_node(config.cluster.node))
 
     # -- what the passes hold (read by the CLI, the daemon's status and tests) -------------------
 
@@ -260,6 +266,8 @@ class Pipeline:
                     timeout = min(timeout, 1.0)
                 if self.paused is not None:
                     timeout = min(timeout, max(self.retry.left(), 0.05))
+                if self.forwarder is not None:
+                    timeout = min(timeout, self.forwarder.heartbeat)
                 deadline = time.monotonic() + timeout
                 while not stop.is_set() and not wake.is_set():
                     # short slices so an external `stop` is seen promptly; no work is done here
@@ -293,6 +301,7 @@ class Pipeline:
                         self._record(sender.drain_results())
                         if self.outbox.enqueue_reminders() or changes:
                             sender.wake.set()
+                self._forward(committed=changes is not None)
                 if on_tick is not None:
                     on_tick()
                 if self._reconfigured:
@@ -303,8 +312,11 @@ class Pipeline:
                     last_full = 0.0
             # drain: whatever was written up to now is committed before exit
             self._safe_step()
+            self._forward(committed=True)
         finally:
             watcher.stop()
+            if self.forwarder is not None:
+                self.forwarder.close()
             if sender is not None:
                 sender.wake.set()
                 deadline = time.monotonic() + 2.0
@@ -317,6 +329,15 @@ class Pipeline:
                 sender.stop(timeout=15.0)
                 self._record(sender.drain_results())
             self.tracker.close()
+
+    def _forward(self, *, committed: bool) -> None:
+        """Fleet mode: forward after a pass that committed (at most once a second), and at
+        least once per heartbeat; a fleet store that is down costs one bounded attempt per
+        back-off step and loses nothing."""
+        fwd = self.forwarder
+        now = time.time()
+        if fwd is not None and fwd.due(now, committed=committed):
+            fwd.forward(self.store, now=now)
 
     def _record(self, results: list[Result]) -> None:
         """Record delivery results (writer thread) and count them for the metrics."""

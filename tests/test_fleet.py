@@ -310,3 +310,62 @@ def test_no_dsn_is_a_config_error(tmp_path: Path) -> None:
     cfg.write_text("")
     proc = nanwatch("fleet", "--once", "--config", str(cfg), check=False)
     assert proc.returncode == 78 and "[fleet] dsn" in proc.stderr
+
+
+def test_watch_forwards_live_through_a_fleet_store_outage(
+    logs: dict[str, Path], pg: PgServer, dsn: str, tmp_path: Path
+) -> None:
+    """`watch` forwards after its passes; the fleet store goes down while the node keeps
+    reading; what was committed meanwhile arrives after the restart, each event once."""
+    import datetime as dt
+
+    from nanwatch.simulate import mmengine_iter_line
+
+    node = "node-05"
+    here = tmp_path / "logs"
+    shutil.copytree(logs[node], here)
+    cfg = node_config(tmp_path, node, dsn)
+    cfg.write_text(cfg.read_text() + 'heartbeat = "1s"\n')
+    db = tmp_path / f"{node}.db"
+    proc = subprocess.Popen(
+        [*NANWATCH, "watch", "--quiet", "--config", str(cfg), str(here)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: db.exists() and local_count(db) > 0, timeout=60, what="events read")
+        wait_for(
+            lambda: _pg_events(dsn) == local_count(db), timeout=60, what="everything forwarded"
+        )
+        before = local_count(db)
+        pg.stop()
+        try:
+            rank_log = next(here.rglob("rank40.log"))
+            line = mmengine_iter_line(
+                dt.datetime(2026, 11, 30, 12, 0, 0), "train", 3, 5, 20, step_time=0.41,
+                losses={"loss": float("nan")},
+            )  # fmt: skip
+            with rank_log.open("a") as f:
+                f.write(line + "\n")
+            wait_for(lambda: local_count(db) > before, timeout=60, what="the NaN committed")
+        finally:
+            pg.restart()
+        wait_for(
+            lambda: _pg_events(dsn) == local_count(db), timeout=60, what="the backlog forwarded"
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "wait to be forwarded" in err and PASSWORD not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert pg_count(dsn, "SELECT count(*) FROM events WHERE kind = 'nan'") == 1
+    assert _pg_events(dsn) == local_count(db)
+
+
+def _pg_events(dsn: str) -> int:
+    try:
+        return pg_count(dsn, "SELECT count(*) FROM events")
+    except psycopg.Error:
+        return -1

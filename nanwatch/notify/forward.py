@@ -47,9 +47,13 @@ class Forwarder:
         self.min_interval = min_interval
         self._fleet: FleetStore | None = None
         self._last = float("-inf")
+        self._retry_at = float("-inf")
+        self._backoff = 0.0
         self.last_error: str | None = None
 
     def due(self, now: float, *, committed: bool) -> bool:
+        if now < self._retry_at:
+            return False  # the store was unreachable: wait for the back-off step
         if now - self._last >= self.heartbeat or now < self._last:
             return True
         return committed and now - self._last >= self.min_interval
@@ -58,7 +62,7 @@ class Forwarder:
         self._last = now
         try:
             if self._fleet is None:
-                self._fleet = FleetStore.connect(self.dsn, password=self.password)
+                self._fleet = FleetStore.connect(self.dsn, password=self.password, timeout=2.0)
             report = self._fleet.forward(
                 store, node=self.node, host=self.host, now=now, heartbeat=self.heartbeat
             )
@@ -67,6 +71,11 @@ class Forwarder:
             report = ForwardReport(error=str(e), waiting=waiting(store))
             if report.error != self.last_error:
                 log.warning("%s; %d event(s) wait to be forwarded", e, report.waiting)
+            # 1 s, 2 s, 4 s ... up to a heartbeat: a down store costs the writer little
+            self._backoff = min(self.heartbeat, self._backoff * 2 if self._backoff else 1.0)
+            self._retry_at = now + self._backoff
+        else:
+            self._backoff, self._retry_at = 0.0, float("-inf")
         self.last_error = report.error
         return report
 
