@@ -126,8 +126,12 @@ def pg_count(dsn: str, sql: str) -> int:
 
 
 def local_count(db: Path) -> int:
-    with sqlite3.connect(db) as conn:
-        return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+    """Events in a node database; 0 while it is still being created."""
+    try:
+        with sqlite3.connect(db) as conn:
+            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
 
 
 def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
