@@ -6,7 +6,6 @@ import functools
 import json
 import logging
 import os
-import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +65,7 @@ def handle_errors(f: F) -> F:
         except NanwatchError as e:
             click.echo(f"nanwatch: error: {e}", err=True)
             sys.exit(EXIT_ERROR)
-        except sqlite3.DatabaseError as e:
+        except Exception as e:
             # a query met a damaged page the bounded check at open did not reach
             if not is_damage(e):
                 raise

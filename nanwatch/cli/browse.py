@@ -66,9 +66,9 @@ def incidents(
     t0, t1 = check_filters(kind, limit, since, until)
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        runs = match_runs(run, run_names(store.conn))
+        runs = match_runs(run, run_names(store))
         rows = list_incidents(
-            store.conn,
+            store,
             open_only=open_only,
             runs=runs,
             kind=kind,
@@ -121,7 +121,7 @@ def show(
 
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        inc = show_incident(store.conn, incident_id, max_events=None if as_json else max_events)
+        inc = show_incident(store, incident_id, max_events=None if as_json else max_events)
     finally:
         store.close()
     if inc is None:
@@ -168,9 +168,9 @@ def events(
     t0, t1 = check_filters(kind, limit, since, until)
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        runs = match_runs(run, run_names(store.conn))
+        runs = match_runs(run, run_names(store))
         it = iter_events(
-            store.conn,
+            store,
             kind=kind,
             runs=runs,
             incident=incident,
@@ -214,7 +214,7 @@ def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
 
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        rows = list_runs(store.conn)
+        rows = list_runs(store)
     finally:
         store.close()
     if as_json:

@@ -160,6 +160,7 @@ def scan(
     from ..query import list_incidents
     from ..render import render_incident_line
     from ..store import Store
+    from ..store.runs import Runs
 
     store = Store.open(db_path)
     try:
@@ -177,18 +178,8 @@ def scan(
         undelivered = pipe.deliver_all(deadline=notify_timeout) if notify else 0
         elapsed = time.monotonic() - started
         runs = pipe.run_ids()
-        names = (
-            [
-                r[0]
-                for r in store.conn.execute(
-                    f"SELECT name FROM runs WHERE id IN ({','.join('?' * len(runs))}) ORDER BY id",
-                    runs,
-                )
-            ]
-            if runs
-            else []
-        )
-        incidents = [i for name in names for i in list_incidents(store.conn, run=name)]
+        names = Runs(store).names_of(list(runs))
+        incidents = [i for name in names for i in list_incidents(store, run=name)]
         summary = {
             "database": str(db_path),
             "files": len(pipe.tracker.records),
