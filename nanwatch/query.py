@@ -134,12 +134,13 @@ def iter_events(
     incident: int | None = None,
     since: str | None = None,
     until: str | None = None,
+    grep: str | None = None,
     limit: int | None = None,
     newest: bool = False,
 ) -> Iterator[Doc]:
     """Events oldest first (``newest``: the last ``limit`` ones, still printed oldest first).
     ``since``/``until`` are RFC 3339 UTC strings compared with the event's time (else the time
-    it was read)."""
+    it was read); ``grep``: words of the message, in order (full-text search)."""
     if run:
         runs = [run, *(runs or [])]
     rows = Reads(as_store(source)).events(
@@ -149,6 +150,7 @@ def iter_events(
         incident=incident,
         since=since,
         until=until,
+        grep=grep,
         limit=limit,
         newest=newest,
     )

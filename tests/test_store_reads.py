@@ -1,18 +1,23 @@
-"""The read side's store API: records under the CLI's filters."""
+"""The read side's store API: records under the CLI's filters, full-text search over event
+messages (`events --grep`), and the index an older database gets when it is migrated."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
-from nanwatch.store import Store
-from nanwatch.store.reads import Reads
+from nanwatch.events import Event
+from nanwatch.store import SCHEMA_VERSION, Store
+from nanwatch.store.reads import Reads, fts_query
 from nanwatch.store.records import EventRow, IncidentRow, Run, RunSummary
 from nanwatch.store.runs import Runs
+from nanwatch.store.schema import MIGRATIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -26,6 +31,100 @@ def hccl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = CliRunner().invoke(cli, ["scan", "--db", str(db), str(tmp / "logs")])
     assert r.exit_code == 0, r.output
     return db
+
+
+def events(db: Path, *args: str) -> list[dict[str, object]]:
+    r = CliRunner().invoke(cli, ["events", "--db", str(db), "--json", *args])
+    assert r.exit_code == 0, r.output
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_grep_finds_the_events_whose_message_has_the_words(hccl: Path) -> None:
+    every = events(hccl)
+    want = [e["id"] for e in every if "EI0002" in str(e["message"])]
+    assert want and len(want) < len(every)
+    assert [e["id"] for e in events(hccl, "--grep", "EI0002")] == want
+    assert [e["id"] for e in events(hccl, "--grep", "ei0002")] == want  # any case
+    # words in this order, whole words, punctuation between them as the message has it
+    killed = [e for e in every if "was killed" in str(e["message"])]
+    assert len(killed) == 2
+    assert events(hccl, "--grep", "killed") == killed
+    five = [e for e in killed if "rank 5 was" in str(e["message"])]
+    assert len(five) == 1 and events(hccl, "--grep", "rank 5 was killed") == five
+    assert events(hccl, "--grep", "killed was") == []
+    assert events(hccl, "--grep", "SIGKILL exit code 9") == killed
+    assert events(hccl, "--grep", "kill") == []
+    assert [e["id"] for e in events(hccl, "--grep", "EI000*")] == want  # a prefix
+    # filters combine; FTS5's operators in what people type are words, not syntax
+    assert events(hccl, "--grep", "EI0002", "--kind", "oom") == []
+    assert events(hccl, "--grep", 'NOT "x" OR message:y') == []
+    newest = events(hccl, "--grep", "EI0002", "--limit", "1")
+    assert [e["id"] for e in newest] == want[-1:]
+
+
+def test_grep_without_words_is_a_usage_error(hccl: Path) -> None:
+    r = CliRunner().invoke(cli, ["events", "--db", str(hccl), "--grep", " * "])
+    assert r.exit_code == 2 and "--grep" in r.output and "word" in r.output
+    r = CliRunner().invoke(cli, ["events", "--db", str(hccl), "--grep", "nothing-like-it"])
+    assert r.exit_code == 0 and "No events" in r.output and "filters" in r.output
+
+
+def test_fts_query_quotes_every_word() -> None:
+    assert fts_query("EI0002") == '"EI0002"'
+    assert fts_query('rank=3 say "hi" ab*') == '"rank=3" + "say" + """hi""" + "ab" *'
+
+
+def test_index_follows_inserts_deletes_and_tools_find_it(hccl: Path, tmp_path: Path) -> None:
+    db = tmp_path / "copy.db"
+    shutil.copy(hccl, db)
+    store = Store.open(db)
+    try:
+        reads = Reads(store)
+        (first, *_) = [r.event.id for r in reads.events(grep="EI0002")]
+        with store.transaction():
+            store.execute("DELETE FROM events WHERE id = ?", (first,))
+            # correlation's kind of update: not a message change, the index stays as it is
+            store.execute("UPDATE events SET incident_id = NULL")
+            store.insert_events(
+                None, None, [Event(kind="oom", message="zebra EI0002 stripes", offset=1)], "t"
+            )
+        found = [r.event for r in reads.events(grep="EI0002")]
+        assert first not in [e.id for e in found] and found[-1].message == "zebra EI0002 stripes"
+        assert [r.event.message for r in reads.events(grep="zebra")] == ["zebra EI0002 stripes"]
+        # the external-content index agrees with its table, row for row
+        store.execute("INSERT INTO events_fts(events_fts, rank) VALUES ('integrity-check', 1)")
+    finally:
+        store.close()
+    import sqlite_utils
+
+    table = sqlite_utils.Database(db)["events"]
+    assert isinstance(table, sqlite_utils.db.Table)
+    assert table.detect_fts() == "events_fts"
+    assert [r["message"] for r in table.search("zebra")] == ["zebra EI0002 stripes"]
+    assert {fk.column: fk.other_table for fk in table.foreign_keys}.items() >= {
+        "run_id": "runs",
+        "source_id": "sources",
+    }.items()
+
+
+def test_an_older_database_gets_its_events_indexed(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(";".join(MIGRATIONS[:4]) + ";PRAGMA user_version=4;")
+    conn.executemany(
+        "INSERT INTO events(kind, ingested_at, offset, message) VALUES (?, ?, ?, ?)",
+        [("comm_timeout", "2026-11-30T10:00:00.000Z", i, f"EI000{i} timed out") for i in range(3)],
+    )
+    conn.commit()
+    conn.close()
+    store = Store.open(db, readonly=True)  # an older schema is migrated once, then read
+    try:
+        version = store.execute("PRAGMA user_version").fetchone()[0]
+        assert version == SCHEMA_VERSION
+        assert [r.event.offset for r in Reads(store).events(grep="EI0001")] == [1]
+        assert len(list(Reads(store).events(grep="timed out"))) == 3
+    finally:
+        store.close()
 
 
 def test_records_and_filters(hccl: Path) -> None:

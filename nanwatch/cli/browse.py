@@ -140,6 +140,13 @@ def show(
 @click.option("--incident", type=int, default=None, help="Only events of this incident.")
 @click.option("--since", default=None, help=SINCE_HELP)
 @click.option("--until", default=None, help=UNTIL_HELP)
+@click.option(
+    "--grep",
+    default=None,
+    metavar="WORDS",
+    help="Only events whose message has these words, in this order (whole words, any case; "
+    "end one with * for a prefix). Uses the full-text index: fast on millions of events.",
+)
 @click.option("--limit", type=int, default=None, help="At most N events (the newest N).")
 @json_option
 @handle_errors
@@ -151,6 +158,7 @@ def events(
     incident: int | None,
     since: str | None,
     until: str | None,
+    grep: str | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
@@ -159,6 +167,8 @@ def events(
     \b
     Examples:
       nanwatch events --kind nan
+      nanwatch events --grep EI0002
+      nanwatch events --grep 'CUDA out of memory' --since 1d
       nanwatch events --run dino/20261130_101500 --json --limit 100
       nanwatch events --run 20261130_101500 --since 30m
     """
@@ -176,6 +186,7 @@ def events(
             incident=incident,
             since=t0,
             until=t1,
+            grep=_check_grep(grep),
             limit=limit,
             newest=limit is not None,
         )
@@ -187,9 +198,16 @@ def events(
     finally:
         store.close()
     if not rows:
-        click.echo("No events." + _filtered(False, kind, run, since, until, str(incident or "")))
+        given = (kind, run, since, until, grep, str(incident or ""))
+        click.echo("No events." + _filtered(False, *given))
         return
     click.echo(events_table(rows, width=out_width(), color=out_color()))
+
+
+def _check_grep(text: str | None) -> str | None:
+    if text is not None and not text.replace("*", "").strip():
+        raise click.UsageError(f"--grep {text!r}: give at least one word to look for")
+    return text
 
 
 @click.command()

@@ -92,6 +92,18 @@ def _event_row(row: Sequence[Any]) -> EventRow:
     )
 
 
+def fts_query(text: str) -> str:
+    """``--grep`` text as an FTS5 query: its words, in this order, as whole words (a word
+    ending in ``*`` is a prefix). Quoting each word keeps FTS5's operators (AND, NEAR, -,
+    column:) out of what people type: ``rank=3`` is the words rank and 3, never a column."""
+    parts = []
+    for word in text.split():
+        prefix = word.endswith("*") and len(word) > 1
+        word = word.rstrip("*") if prefix else word
+        parts.append('"' + word.replace('"', '""') + '"' + (" *" if prefix else ""))
+    return " + ".join(parts)
+
+
 class _Where:
     """One WHERE clause and its parameters, built filter by filter."""
 
@@ -146,12 +158,13 @@ class Reads:
         incident: int | None = None,
         since: str | None = None,
         until: str | None = None,
+        grep: str | None = None,
         limit: int | None = None,
         newest: bool = False,
     ) -> Iterator[EventRow]:
         """Events oldest first (``newest``: the last ``limit`` ones, still oldest first).
         ``since``/``until`` are RFC 3339 UTC strings compared with the event's time (else the
-        time it was read)."""
+        time it was read); ``grep``: words of its message (full-text search)."""
         w = _Where()
         when = "coalesce(e.time, e.ingested_at)"
         w.common("e", runs=runs, kind=kind, since=since, until=until, first=when, last=when)
@@ -159,6 +172,10 @@ class Reads:
             w.add("e.rank = ?", rank)
         if incident is not None:
             w.add("e.incident_id = ?", incident)
+        if grep is not None:
+            # the index's rowids drive the lookup: no scan of the events table
+            match = "e.id IN (SELECT rowid FROM events_fts WHERE events_fts MATCH ?)"
+            w.add(match, fts_query(grep))
         sql = _EVENT_SELECT + w.sql()
         if newest and limit is not None:
             sql = f"SELECT * FROM ({sql} ORDER BY e.id DESC LIMIT {int(limit)}) ORDER BY 1"
