@@ -156,3 +156,25 @@ def test_records_and_filters(hccl: Path) -> None:
         assert total == len(list(reads.events(incident=iid)))
     finally:
         store.close()
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(hccl: Path) -> None:
+    """`nanwatch events | head`: the pipe closes before the output is written."""
+    import os
+    import subprocess
+
+    from .conftest import NANWATCH
+
+    read, write = os.pipe()
+    os.close(read)  # nobody will read: the first write meets EPIPE
+    try:
+        proc = subprocess.run(
+            [*NANWATCH, "events", "--db", str(hccl)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

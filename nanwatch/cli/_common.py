@@ -65,16 +65,17 @@ def handle_errors(f: F) -> F:
         except NanwatchError as e:
             click.echo(f"nanwatch: error: {e}", err=True)
             sys.exit(EXIT_ERROR)
-        except Exception as e:
-            # a query met a damaged page the bounded check at open did not reach
-            if not is_damage(e):
-                raise
-            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
-            sys.exit(EXIT_ERROR)
         except BrokenPipeError:
             # e.g. `nanwatch events | head`
             sys.stderr.close()
             sys.exit(0)
+        except Exception as e:
+            # a query met a damaged page the bounded check at open did not reach (the store
+            # knows SQLite's words for it: this module has no business with sqlite3)
+            if not is_damage(e):
+                raise
+            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
+            sys.exit(EXIT_ERROR)
 
     return wrapper  # type: ignore[return-value]
 
