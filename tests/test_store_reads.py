@@ -178,3 +178,37 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(hccl: Path) -> Non
     finally:
         os.close(write)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_rank_and_status_filters_on_the_command_line(hccl: Path, tmp_path: Path) -> None:
+    every = events(hccl)
+    five = [e for e in every if e["rank"] == 5]
+    assert five and len(five) < len(every)
+    assert events(hccl, "--rank", "5") == five
+    assert [e["rank"] for e in events(hccl, "--rank", "0")] == [0]
+
+    def incidents(db: Path, *args: str) -> list[dict[str, object]]:
+        r = CliRunner().invoke(cli, ["incidents", "--db", str(db), "--json", *args])
+        assert r.exit_code == 0, r.output
+        return [json.loads(line) for line in r.stdout.splitlines()]
+
+    every_incident = incidents(hccl)
+    assert incidents(hccl, "--status", "open") == incidents(hccl, "--open") == every_incident
+    assert incidents(hccl, "--status", "resolved") == []
+    (one,) = every_incident[:1]
+    ranks = one["ranks"]
+    assert isinstance(ranks, list) and incidents(hccl, "--rank", str(ranks[0]))[0] == one
+    assert incidents(hccl, "--rank", "4242") == []
+    r = CliRunner().invoke(cli, ["incidents", "--db", str(hccl), "--rank", "4242"])
+    assert r.exit_code == 0 and "No incidents. (with these filters" in r.output
+    r = CliRunner().invoke(cli, ["incidents", "--db", str(hccl), "--open", "--status", "resolved"])
+    assert r.exit_code == 2 and "contradict" in r.output
+    r = CliRunner().invoke(cli, ["incidents", "--db", str(hccl), "--status", "shut"])
+    assert r.exit_code == 2 and "open" in r.output and "resolved" in r.output
+
+    db = tmp_path / "copy.db"
+    shutil.copy(hccl, db)
+    r = CliRunner().invoke(cli, ["resolve", str(one["id"]), "--db", str(db), "--note", "x"])
+    assert r.exit_code == 0, r.output
+    assert [i["id"] for i in incidents(db, "--status", "resolved")] == [one["id"]]
+    assert one["id"] not in [i["id"] for i in incidents(db, "--status", "open")]
