@@ -24,11 +24,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .config import Config, load_config
 from .correlate import Change
@@ -68,7 +68,7 @@ class Notifier:
             log.warning("NOTIFY_SOCKET=%r is not a unix socket; not notifying systemd", address)
 
     @classmethod
-    def from_environ(cls, environ: Any = os.environ) -> Notifier:
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Notifier:
         usec: int | None = None
         pid = environ.get("WATCHDOG_PID")
         if not pid or pid == str(os.getpid()):  # the watchdog is meant for this very process

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import click
 
@@ -18,7 +18,9 @@ from ..errors import ConfigError, NanwatchError, StoreError
 from ..store import Store
 from ..store.db import damaged, is_damage
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., Any])  # a click option decorates any command
+P = ParamSpec("P")
+R = TypeVar("R")
 
 EXIT_ERROR = 1
 EXIT_VERDICT = 3
@@ -55,11 +57,11 @@ def verbosity_option(f: F) -> F:
     return click.option("-v", "--verbose", count=True, help="More log output (-vv: debug).")(f)
 
 
-def handle_errors(f: F) -> F:
+def handle_errors(f: Callable[P, R]) -> Callable[P, R]:
     """Turn NanwatchError into a one-line message and exit status 1."""
 
     @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return f(*args, **kwargs)
         except NanwatchError as e:
@@ -77,7 +79,7 @@ def handle_errors(f: F) -> F:
             click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
             sys.exit(EXIT_ERROR)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def setup_logging(verbose: int, *, quiet_default: bool = False) -> None:
@@ -152,7 +154,7 @@ def open_reader(config_path: Path | None, db: Path | None, *, quiet: bool = Fals
         raise e
 
 
-def emit_json(value: Any) -> None:
+def emit_json(value: object) -> None:
     click.echo(json.dumps(value, separators=(",", ":"), default=str, ensure_ascii=False))
 
 

@@ -10,14 +10,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .doctor import Finding, current_user
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 SLACK_API = "https://slack.com/api/"
 
 
-def check_database(db: Path, config: Any) -> list[Finding]:
+def check_database(db: Path, config: Config | None) -> list[Finding]:
     from ..store.db import SCHEMA_VERSION, recovery_steps
     from ..store.reads import file_health
 
@@ -128,7 +131,7 @@ def _http(
         return int(e.code), e.read(1 << 20)
 
 
-def check_slack(config: Any) -> list[Finding]:
+def check_slack(config: Config) -> list[Finding]:
     from ..errors import ConfigError
     from ..notify.slack_api import slack_settings
 
@@ -215,7 +218,7 @@ def _unreachable(where: str, e: BaseException) -> Finding:
     )
 
 
-def check_metrics(config: Any) -> Finding:
+def check_metrics(config: Config) -> Finding:
     from ..config import parse_listen
     from ..errors import ConfigError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -24,13 +24,17 @@ from ._common import (
 )
 from ._progress import Progress, tree_size
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..notify.outbox import Sink
 
-def _sinks(config: Any, *, console: bool) -> list[Any]:
+
+def _sinks(config: Config, *, console: bool) -> list[Sink]:
     """Every sink `watch` and `scan --notify` deliver to (console, Slack, Alertmanager); a
     [slack] that cannot work fails here."""
     from ..notify.console import ConsoleSink
 
-    sinks: list[Any] = []
+    sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink())
     if config.slack.enabled:

@@ -109,9 +109,9 @@ class _Where:
 
     def __init__(self) -> None:
         self.terms: list[str] = []
-        self.params: list[Any] = []
+        self.params: list[object] = []
 
-    def add(self, term: str, *params: Any) -> None:
+    def add(self, term: str, *params: object) -> None:
         self.terms.append(term)
         self.params.extend(params)
 
