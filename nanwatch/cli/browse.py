@@ -230,7 +230,8 @@ def events(
 
 
 def _check_grep(text: str | None) -> str | None:
-    if text is not None and not text.replace("*", "").strip():
+    # the index holds words (letters and digits): punctuation alone can never match
+    if text is not None and not any(c.isalnum() for c in text):
         raise click.UsageError(f"--grep {text!r}: give at least one word to look for")
     return text
 
