@@ -1,4 +1,4 @@
-"""Read-side latency on a database of a million events: `incidents`, `show`, `events --kind`.
+"""Read-side latency on a million events: `incidents`, `show`, `events --kind`, `--grep`.
 
 The database is made of real scans, then copied: the seed case (an NPU out-of-memory with HCCL
 timeouts on seven ranks; a NaN located by msprobe; a slowdown) and an msprobe run whose NaN
@@ -183,6 +183,16 @@ def run(target_events: int, runs: int) -> dict[str, Any]:
             "show (small)": ["show", str(facts["small"]), *d],
             "events --kind oom": ["events", "--kind", "oom", *d],
             "events --kind nan --limit 100": ["events", "--kind", "nan", "--limit", "100", *d],
+            # full-text search (the events_fts index): a rare code, then a common phrase
+            "events --grep EI0002 --json": ["events", "--grep", "EI0002", "--json", *d],
+            "events --grep 'out of memory' --limit 100": [
+                "events",
+                "--grep",
+                "out of memory",
+                "--limit",
+                "100",
+                *d,
+            ],
         }
         results = {}
         for name, args in queries.items():

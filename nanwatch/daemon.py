@@ -24,11 +24,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .config import Config, load_config
 from .correlate import Change
@@ -38,7 +38,8 @@ from .notify.outbox import Sink
 from .pipeline import Pipeline
 from .sources import make_roots
 from .store import Store
-from .store.retention import Housekeeper
+from .store.reads import Reads
+from .store.retention import Housekeeper, cap_wal
 
 if TYPE_CHECKING:
     from .metrics import MetricsServer, NanwatchCollector
@@ -67,7 +68,7 @@ class Notifier:
             log.warning("NOTIFY_SOCKET=%r is not a unix socket; not notifying systemd", address)
 
     @classmethod
-    def from_environ(cls, environ: Any = os.environ) -> Notifier:
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Notifier:
         usec: int | None = None
         pid = environ.get("WATCHDOG_PID")
         if not pid or pid == str(os.getpid()):  # the watchdog is meant for this very process
@@ -323,8 +324,7 @@ class Service:
     def _run(self, config: Config, plan: Plan, db_path: Path) -> None:
         store = Store.open(db_path)
         try:
-            # the WAL file shrinks back after checkpoints instead of keeping its peak size
-            store.execute("PRAGMA journal_size_limit=67108864")
+            cap_wal(store)
             self.housekeeper = Housekeeper(store, config.store)
             if plan.listen is not None:
                 self.metrics = self._serve(plan.listen)
@@ -433,9 +433,7 @@ class Service:
         files = len(pipe.tracker.records)
         events = sum(pipe.stats.events.values())
         try:
-            incidents = pipe.store.conn.execute(
-                "SELECT count(*) FROM incidents WHERE status = 'open'"
-            ).fetchone()[0]
+            incidents: int | str = Reads(pipe.store).open_count()
         except Exception:  # a status line must never stop the loop
             incidents = "?"
         return (
@@ -475,12 +473,9 @@ class Service:
     def _log_changes(self, changes: list[Change]) -> None:
         assert self.pipe is not None
         for ch in changes:
-            row = self.pipe.store.conn.execute(
-                "SELECT i.title, r.name FROM incidents i LEFT JOIN runs r ON r.id = i.run_id "
-                "WHERE i.id = ?",
-                (ch.incident_id,),
-            ).fetchone()
-            title, run = row if row else ("?", None)
+            row = Reads(self.pipe.store).incident(ch.incident_id)
+            title = row.incident.title if row else "?"
+            run = row.run.name if row and row.run else None
             if run and run not in title:
                 title = f"{title} (run {run})"
             level = logging.WARNING if ch.action == "open" else logging.INFO

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from .events import ranks_text as ranks_text  # re-exported for the CLI and sinks
+from .store.records import JSON
+
+# what is rendered: the read side's JSON objects (nanwatch.query), as `--json` prints them
+Doc = Mapping[str, JSON]
 
 _BOLD = "\x1b[1m"
 _RED = "\x1b[31m"
@@ -17,7 +20,7 @@ def _c(text: str, code: str, color: bool) -> str:
     return f"{code}{text}{_RESET}" if color else text
 
 
-def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, max_width: int = 80) -> str:
+def table(rows: Sequence[Sequence[object]], headers: Sequence[str], *, max_width: int = 80) -> str:
     cells = [[("" if v is None else str(v)) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
@@ -37,7 +40,7 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, max_width: i
     return "\n".join(lines)
 
 
-def where_text(o: Mapping[str, Any]) -> str:
+def where_text(o: Doc) -> str:
     bits = []
     if o.get("rank") is not None:
         bits.append(f"rank {o['rank']}")
@@ -52,7 +55,7 @@ def where_text(o: Mapping[str, Any]) -> str:
     return ", ".join(bits)
 
 
-def origin_text(o: Mapping[str, Any]) -> str:
+def origin_text(o: Doc) -> str:
     if not o:
         return "-"
     text = where_text(o)
@@ -68,7 +71,7 @@ def origin_text(o: Mapping[str, Any]) -> str:
     return text
 
 
-def sample_text(d: Mapping[str, Any]) -> str:
+def sample_text(d: Doc) -> str:
     """One sample finding: 'rank 6, epoch 3, iter 120: data/x.jpg (image_id 139)'."""
     where = where_text({k: d.get(k) for k in ("rank", "epoch", "iter")}) or "-"
     if d.get("reason") == "empty batch":
@@ -79,7 +82,7 @@ def sample_text(d: Mapping[str, Any]) -> str:
     return f"{where}: {what}"
 
 
-def render_incident_line(inc: Mapping[str, Any], *, prefix: str | None = None) -> str:
+def render_incident_line(inc: Doc, *, prefix: str | None = None) -> str:
     head = f"[{prefix}] " if prefix else ""
     return (
         f"{head}#{inc['id']} {inc['status']} {inc['kind']}: {inc['title']} "
@@ -87,7 +90,7 @@ def render_incident_line(inc: Mapping[str, Any], *, prefix: str | None = None) -
     )
 
 
-def render_story(inc: Mapping[str, Any], *, color: bool = False, max_events: int = 10) -> str:
+def render_story(inc: Doc, *, color: bool = False, max_events: int = 10) -> str:
     """An incident as a short story: what, where, root cause, timeline, hints, next steps."""
     o = inc.get("origin") or {}
     lines = [

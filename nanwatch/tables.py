@@ -9,11 +9,11 @@ resort cuts each line. ``width=None`` (output piped) means no limit at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .events import ranks_text
+from .render import Doc
 
 RESET = "\x1b[0m"
 # incident severity (and status) -> ANSI style of its STATUS and KIND cells
@@ -35,7 +35,7 @@ class Column:
     styled: bool = False  # carries the row's style (colour)
 
 
-def _forms(cell: Any) -> tuple[str, ...]:
+def _forms(cell: object) -> tuple[str, ...]:
     if isinstance(cell, tuple):
         return tuple(str(c) for c in cell) or ("",)
     return ("" if cell is None else str(cell),)
@@ -50,7 +50,7 @@ def _cut(text: str, width: int, how: str) -> str:
 
 
 def fit(
-    rows: Sequence[Sequence[Any]],
+    rows: Sequence[Sequence[object]],
     columns: Sequence[Column],
     *,
     width: int | None = None,
@@ -174,14 +174,14 @@ def time_forms(value: str | None) -> tuple[str, ...]:
 # -- the tables -------------------------------------------------------------------------------
 
 
-def _style(inc: Mapping[str, Any]) -> str | None:
+def _style(inc: Doc) -> str | None:
     if inc.get("status") != "open":
         return RESOLVED_STYLE
     return STYLES.get(str(inc.get("severity") or "critical"))
 
 
 def incidents_table(
-    incidents: Sequence[Mapping[str, Any]], *, width: int | None = None, color: bool = False
+    incidents: Sequence[Doc], *, width: int | None = None, color: bool = False
 ) -> str:
     from .render import origin_text
 
@@ -218,12 +218,10 @@ def incidents_table(
     return fit(rows, columns, width=width, styles=[_style(i) for i in incidents], color=color)
 
 
-def events_table(
-    events: Sequence[Mapping[str, Any]], *, width: int | None = None, color: bool = False
-) -> str:
+def events_table(events: Sequence[Doc], *, width: int | None = None, color: bool = False) -> str:
     tails = run_tails([str(e.get("run") or "-") for e in events])
 
-    def dash(v: Any) -> Any:
+    def dash(v: object) -> object:
         return "-" if v is None else v
 
     rows = []
@@ -258,7 +256,7 @@ def events_table(
     return fit(rows, columns, width=width, color=color)
 
 
-def runs_table(runs: Sequence[Mapping[str, Any]], *, width: int | None = None) -> str:
+def runs_table(runs: Sequence[Doc], *, width: int | None = None) -> str:
     tails = run_tails([str(r["name"]) for r in runs])
     rows = [
         (

@@ -6,11 +6,10 @@ import functools
 import json
 import logging
 import os
-import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import click
 
@@ -19,7 +18,9 @@ from ..errors import ConfigError, NanwatchError, StoreError
 from ..store import Store
 from ..store.db import damaged, is_damage
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., Any])  # a click option decorates any command
+P = ParamSpec("P")
+R = TypeVar("R")
 
 EXIT_ERROR = 1
 EXIT_VERDICT = 3
@@ -56,28 +57,29 @@ def verbosity_option(f: F) -> F:
     return click.option("-v", "--verbose", count=True, help="More log output (-vv: debug).")(f)
 
 
-def handle_errors(f: F) -> F:
+def handle_errors(f: Callable[P, R]) -> Callable[P, R]:
     """Turn NanwatchError into a one-line message and exit status 1."""
 
     @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return f(*args, **kwargs)
         except NanwatchError as e:
             click.echo(f"nanwatch: error: {e}", err=True)
             sys.exit(EXIT_ERROR)
-        except sqlite3.DatabaseError as e:
-            # a query met a damaged page the bounded check at open did not reach
-            if not is_damage(e):
-                raise
-            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
-            sys.exit(EXIT_ERROR)
         except BrokenPipeError:
             # e.g. `nanwatch events | head`
             sys.stderr.close()
             sys.exit(0)
+        except Exception as e:
+            # a query met a damaged page the bounded check at open did not reach (the store
+            # knows SQLite's words for it: this module has no business with sqlite3)
+            if not is_damage(e):
+                raise
+            click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
+            sys.exit(EXIT_ERROR)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def setup_logging(verbose: int, *, quiet_default: bool = False) -> None:
@@ -152,7 +154,7 @@ def open_reader(config_path: Path | None, db: Path | None, *, quiet: bool = Fals
         raise e
 
 
-def emit_json(value: Any) -> None:
+def emit_json(value: object) -> None:
     click.echo(json.dumps(value, separators=(",", ":"), default=str, ensure_ascii=False))
 
 

@@ -6,20 +6,23 @@ import errno
 import json
 import os
 import socket
-import sqlite3
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .doctor import Finding, current_user
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 SLACK_API = "https://slack.com/api/"
 
 
-def check_database(db: Path, config: Any) -> list[Finding]:
+def check_database(db: Path, config: Config | None) -> list[Finding]:
     from ..store.db import SCHEMA_VERSION, recovery_steps
+    from ..store.reads import file_health
 
     if not db.exists():
         folder = next((p for p in [db.parent, *db.parent.parents] if p.exists()), Path("/"))
@@ -34,20 +37,9 @@ def check_database(db: Path, config: Any) -> list[Finding]:
             )
         ]
     out = []
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
-        try:
-            check = conn.execute("PRAGMA quick_check").fetchone()[0]
-            journal = conn.execute("PRAGMA journal_mode").fetchone()[0]
-            vacuum = conn.execute("PRAGMA auto_vacuum").fetchone()[0]
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            page = conn.execute("PRAGMA page_size").fetchone()[0]
-            pages = conn.execute("PRAGMA page_count").fetchone()[0]
-            free = conn.execute("PRAGMA freelist_count").fetchone()[0]
-        finally:
-            conn.close()
-    except sqlite3.Error as e:
-        check, journal, vacuum, version, page, pages, free = str(e), "", 0, 0, 0, 0, 0
+    h = file_health(db)
+    check, journal, vacuum, version = h.check, h.journal, h.auto_vacuum, h.version
+    page, pages, free = h.page_size, h.pages, h.free
     if check != "ok":
         return [
             Finding(
@@ -139,7 +131,7 @@ def _http(
         return int(e.code), e.read(1 << 20)
 
 
-def check_slack(config: Any) -> list[Finding]:
+def check_slack(config: Config) -> list[Finding]:
     from ..errors import ConfigError
     from ..notify.slack_api import slack_settings
 
@@ -226,7 +218,7 @@ def _unreachable(where: str, e: BaseException) -> Finding:
     )
 
 
-def check_metrics(config: Any) -> Finding:
+def check_metrics(config: Config) -> Finding:
     from ..config import parse_listen
     from ..errors import ConfigError
 

@@ -28,9 +28,16 @@ RUN_HELP = (
 @click.command()
 @config_option
 @db_option
-@click.option("--open", "open_only", is_flag=True, help="Only open incidents.")
+@click.option("--open", "open_only", is_flag=True, help="Only open incidents (--status open).")
+@click.option(
+    "--status",
+    type=click.Choice(["open", "resolved"]),
+    default=None,
+    help="Only incidents in this state.",
+)
 @click.option("--run", default=None, help=RUN_HELP)
 @click.option("--kind", default=None, help="Only this kind (nan, oom, comm_timeout, ...).")
+@click.option("--rank", type=int, default=None, help="Only incidents this rank took part in.")
 @click.option("--since", default=None, help=SINCE_HELP)
 @click.option("--until", default=None, help=UNTIL_HELP)
 @click.option("--limit", type=int, default=None, help="At most N incidents (the newest N).")
@@ -40,8 +47,10 @@ def incidents(
     config_path: Path | None,
     db: Path | None,
     open_only: bool,
+    status: str | None,
     run: str | None,
     kind: str | None,
+    rank: int | None,
     since: str | None,
     until: str | None,
     limit: int | None,
@@ -57,6 +66,7 @@ def incidents(
       nanwatch incidents
       nanwatch incidents --open --json
       nanwatch incidents --kind nan --since 2h
+      nanwatch incidents --status resolved --rank 5
       nanwatch incidents --run 20261130_101500 --limit 5
       nanwatch incidents --since 2026-11-30 --until 2026-12-01T06:00
     """
@@ -64,14 +74,17 @@ def incidents(
     from ..tables import incidents_table
 
     t0, t1 = check_filters(kind, limit, since, until)
+    if open_only and status not in (None, "open"):
+        raise click.UsageError(f"--open and --status {status} contradict each other: drop one")
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        runs = match_runs(run, run_names(store.conn))
+        runs = match_runs(run, run_names(store))
         rows = list_incidents(
-            store.conn,
-            open_only=open_only,
+            store,
+            status="open" if open_only else status,
             runs=runs,
             kind=kind,
+            rank=rank,
             since=t0,
             until=t1,
             limit=limit,
@@ -83,7 +96,8 @@ def incidents(
             emit_json(inc)
         return
     if not rows:
-        click.echo("No incidents." + _filtered(open_only, run, kind, since, until))
+        given = (status, run, kind, since, until, "" if rank is None else str(rank))
+        click.echo("No incidents." + _filtered(open_only, *given))
         return
     click.echo(incidents_table(rows, width=out_width(), color=out_color()))
 
@@ -121,7 +135,7 @@ def show(
 
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        inc = show_incident(store.conn, incident_id, max_events=None if as_json else max_events)
+        inc = show_incident(store, incident_id, max_events=None if as_json else max_events)
     finally:
         store.close()
     if inc is None:
@@ -137,9 +151,17 @@ def show(
 @db_option
 @click.option("--kind", default=None, help="Only this kind (nan, oom, comm_timeout, ...).")
 @click.option("--run", default=None, help=RUN_HELP)
+@click.option("--rank", type=int, default=None, help="Only events of this (global) rank.")
 @click.option("--incident", type=int, default=None, help="Only events of this incident.")
 @click.option("--since", default=None, help=SINCE_HELP)
 @click.option("--until", default=None, help=UNTIL_HELP)
+@click.option(
+    "--grep",
+    default=None,
+    metavar="WORDS",
+    help="Only events whose message has these words, in this order (whole words, any case; "
+    "end one with * for a prefix). Uses the full-text index: fast on millions of events.",
+)
 @click.option("--limit", type=int, default=None, help="At most N events (the newest N).")
 @json_option
 @handle_errors
@@ -148,9 +170,11 @@ def events(
     db: Path | None,
     kind: str | None,
     run: str | None,
+    rank: int | None,
     incident: int | None,
     since: str | None,
     until: str | None,
+    grep: str | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
@@ -159,6 +183,8 @@ def events(
     \b
     Examples:
       nanwatch events --kind nan
+      nanwatch events --grep EI0002
+      nanwatch events --grep 'CUDA out of memory' --since 1d
       nanwatch events --run dino/20261130_101500 --json --limit 100
       nanwatch events --run 20261130_101500 --since 30m
     """
@@ -168,14 +194,16 @@ def events(
     t0, t1 = check_filters(kind, limit, since, until)
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        runs = match_runs(run, run_names(store.conn))
+        runs = match_runs(run, run_names(store))
         it = iter_events(
-            store.conn,
+            store,
             kind=kind,
             runs=runs,
+            rank=rank,
             incident=incident,
             since=t0,
             until=t1,
+            grep=_check_grep(grep),
             limit=limit,
             newest=limit is not None,
         )
@@ -187,9 +215,25 @@ def events(
     finally:
         store.close()
     if not rows:
-        click.echo("No events." + _filtered(False, kind, run, since, until, str(incident or "")))
+        given = (
+            kind,
+            run,
+            since,
+            until,
+            grep,
+            str(incident or ""),
+            "" if rank is None else str(rank),
+        )
+        click.echo("No events." + _filtered(False, *given))
         return
     click.echo(events_table(rows, width=out_width(), color=out_color()))
+
+
+def _check_grep(text: str | None) -> str | None:
+    # the index holds words (letters and digits): punctuation alone can never match
+    if text is not None and not any(c.isalnum() for c in text):
+        raise click.UsageError(f"--grep {text!r}: give at least one word to look for")
+    return text
 
 
 @click.command()
@@ -214,7 +258,7 @@ def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
 
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        rows = list_runs(store.conn)
+        rows = list_runs(store)
     finally:
         store.close()
     if as_json:

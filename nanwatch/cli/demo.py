@@ -130,7 +130,7 @@ def replay(
         say(f"\n==> Run B ({run_b.timestamp}): relaunched with validation off")
         run_b.feed(stepper(run_b))
         pipe.tracker.close()
-        incidents = list_incidents(reader.conn)
+        incidents = list_incidents(reader)
     finally:
         reader.close()
         store.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -24,14 +24,20 @@ from ._common import (
 )
 from ._progress import Progress, tree_size
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..notify.outbox import Sink
+    from ..store import Store
+    from ..store.fleet import ForwardReport
 
-def _sinks(config: Any, *, console: bool, correlator: bool = False) -> list[Any]:
+
+def _sinks(config: Config, *, console: bool, correlator: bool = False) -> list[Sink]:
     """Every sink `watch` and `scan --notify` deliver to (console, Slack, Alertmanager); a
     [slack] that cannot work fails here. A node in fleet mode leaves Slack and Alertmanager to
     `nanwatch fleet` (``correlator``), unless [fleet] notify_locally says otherwise."""
     from ..notify.console import ConsoleSink
 
-    sinks: list[Any] = []
+    sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink())
     if config.fleet.dsn and not correlator and not config.fleet.notify_locally:
@@ -52,7 +58,7 @@ def _sinks(config: Any, *, console: bool, correlator: bool = False) -> list[Any]
     return sinks
 
 
-def _forward(config: Any, store: Any) -> Any:
+def _forward(config: Config, store: Store) -> ForwardReport | None:
     """Fleet mode: what this scan committed goes to the fleet store; unreachable is not an
     error of the scan (the events wait in this database for the next forward)."""
     if not config.fleet.dsn:
@@ -178,6 +184,7 @@ def scan(
     from ..query import list_incidents
     from ..render import render_incident_line
     from ..store import Store
+    from ..store.runs import Runs
 
     store = Store.open(db_path)
     try:
@@ -196,18 +203,8 @@ def scan(
         forwarded = _forward(config, store)
         elapsed = time.monotonic() - started
         runs = pipe.run_ids()
-        names = (
-            [
-                r[0]
-                for r in store.conn.execute(
-                    f"SELECT name FROM runs WHERE id IN ({','.join('?' * len(runs))}) ORDER BY id",
-                    runs,
-                )
-            ]
-            if runs
-            else []
-        )
-        incidents = [i for name in names for i in list_incidents(store.conn, run=name)]
+        names = Runs(store).names_of(list(runs))
+        incidents = [i for name in names for i in list_incidents(store, run=name)]
         summary = {
             "database": str(db_path),
             "files": len(pipe.tracker.records),

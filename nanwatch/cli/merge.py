@@ -76,7 +76,7 @@ def merge(config_path: Path | None, as_json: bool, out: Path, nodes: tuple[Path,
         )
         changes = correlator.process(live=False)
         resolved = carry_over_resolutions(store)
-        incidents = list_incidents(store.conn)
+        incidents = list_incidents(store)
     finally:
         store.close()
     if as_json:

@@ -189,19 +189,8 @@ class Store:
         self.path = path
         self.conn = conn
         self.readonly = readonly
-        self._db: Any = None
         self._in_tx = False
         self.lock: WriterLock | None = None
-
-    @property
-    def db(self) -> Any:
-        """sqlite_utils' view of the connection, for scripts. Imported on first use: it imports
-        pandas and numpy when they are installed (50+ MB), which the daemon has no use for."""
-        if self._db is None:
-            import sqlite_utils
-
-            self._db = sqlite_utils.Database(self.conn)
-        return self._db
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -769,7 +758,19 @@ class Store:
 
 
 def _split(script: str) -> list[str]:
-    return [s.strip() for s in script.split(";") if s.strip()]
+    """A migration's statements. A ``;`` ends one only where SQLite agrees it is complete:
+    a trigger's body has its own."""
+    out: list[str] = []
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending.strip().rstrip(";").strip())
+            pending = ""
+    if pending.strip(" \n;"):
+        out.append(pending.strip().rstrip(";").strip())
+    return out
 
 
 def _deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,13 +19,18 @@ JSON = Any  # a decoded JSON value: its shape is the rule pack's or the knowledg
 __all__ = [
     "EVENT_COLUMNS",
     "JSON",
+    "EventRow",
+    "FileHealth",
     "Incident",
+    "IncidentRow",
     "Message",
     "OutboxRow",
     "Run",
+    "RunSummary",
     "Silence",
     "Source",
     "StoredEvent",
+    "TimelineRow",
     "loads",
 ]
 
@@ -212,3 +217,66 @@ class Source:
     lines_cut: int
     status: str
     ctx: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """A run as the read commands list it: the run, what its rows count, and its span."""
+
+    run: Run
+    sources: int
+    events: int
+    incidents: int
+    open_incidents: int
+    nodes: tuple[str, ...]  # every node whose files fed it (a merged database), else its own
+    first_time: str | None  # its logged span; what its rows say for databases that kept none
+    last_time: str | None
+
+    @property
+    def status(self) -> str:
+        """``failing`` while an incident is open, ``resolved`` when all are, else ``ok``."""
+        return "failing" if self.open_incidents else "resolved" if self.incidents else "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    """A stored event with the names the read side shows for its ids: run name, file path."""
+
+    event: StoredEvent
+    run: str | None
+    file: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentRow:
+    """An incident with the run it belongs to (None when its run is gone)."""
+
+    incident: Incident
+    run: Run | None
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineRow:
+    """One line of an incident's timeline: a rank's events of one kind (on one node)."""
+
+    rank: int | None
+    kind: str
+    count: int
+    first_time: str | None
+    last_time: str | None
+    first_step: int | None
+    last_step: int | None
+    node: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class FileHealth:
+    """What a database file says about itself (``doctor``); ``check`` is ``ok`` or the error."""
+
+    check: str
+    journal: str
+    auto_vacuum: int
+    version: int
+    page_size: int
+    pages: int
+    free: int

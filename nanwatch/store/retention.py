@@ -125,3 +125,9 @@ class Housekeeper:
         if n:
             self._pass[table] += n
             self.deleted[table] += n
+
+
+def cap_wal(store: Store, size: int = 64 * 1024 * 1024) -> None:
+    """Let the WAL file shrink back to ``size`` bytes after a checkpoint instead of keeping
+    its peak size (a long scan can grow it to gigabytes); the daemon sets it at start."""
+    store.execute(f"PRAGMA journal_size_limit={int(size)}")

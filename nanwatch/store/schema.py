@@ -218,4 +218,28 @@ MIGRATIONS: list[str] = [
     ALTER TABLE incidents ADD COLUMN resolved_by TEXT;
     ALTER TABLE incidents ADD COLUMN resolve_note TEXT;
     """,
+    # 5: (metric blocks)
+    # 6: full-text search over event messages (`nanwatch events --grep`): an FTS5 index whose
+    # content is the events table itself (the text is not stored twice), kept in step by
+    # triggers, in the shape sqlite-utils' enable_fts(["message"], create_triggers=True)
+    # gives, so its table.search() and Datasette find it. Plain SQL rather than enable_fts:
+    # that one runs executescript, which commits, and a migration is one transaction.
+    # Existing events are indexed here. The update trigger fires only when a message changes:
+    # correlation updates every event's incident_id, which must not rewrite the index.
+    """
+    CREATE VIRTUAL TABLE [events_fts] USING FTS5 ([message], content=[events]);
+    INSERT INTO [events_fts] (rowid, [message]) SELECT id, message FROM events;
+    CREATE TRIGGER [events_ai] AFTER INSERT ON [events] BEGIN
+      INSERT INTO [events_fts] (rowid, [message]) VALUES (new.id, new.message);
+    END;
+    CREATE TRIGGER [events_ad] AFTER DELETE ON [events] BEGIN
+      INSERT INTO [events_fts] ([events_fts], rowid, [message])
+      VALUES ('delete', old.id, old.message);
+    END;
+    CREATE TRIGGER [events_au] AFTER UPDATE OF message ON [events] BEGIN
+      INSERT INTO [events_fts] ([events_fts], rowid, [message])
+      VALUES ('delete', old.id, old.message);
+      INSERT INTO [events_fts] (rowid, [message]) VALUES (new.id, new.message);
+    END;
+    """,
 ]
