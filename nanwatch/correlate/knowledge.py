@@ -31,9 +31,7 @@ An entry says when it applies to an incident, what to tell people and what to ru
 from __future__ import annotations
 
 import difflib
-import json
 import re
-import sqlite3
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuleError
+from ..store.events import Events
+from ..store.records import Run
 from .commands import check_command, fill_command
 from .facts import HOW_TO_FIND, LABELS, node_cann_version, satisfies
 from .samples import SAMPLE_REASONS
@@ -205,13 +205,14 @@ class Cause:
         }
 
 
-def _run_values(incident_id: int, run: Mapping[str, Any]) -> dict[str, Any]:
+def _run_values(incident_id: int, run: Run | None) -> dict[str, Any]:
     from .runconfig import config_file, config_values
 
     out: dict[str, Any] = {"incident": incident_id}
-    name = str(run.get("name") or "")
-    launch = name.rsplit("/", 1)[-1] if "/" in name else None
-    path = config_file(run.get("root"), run.get("experiment"), launch)
+    if run is None:
+        return out
+    launch = run.name.rsplit("/", 1)[-1] if "/" in run.name else None
+    path = config_file(run.root, run.experiment, launch)
     if path is not None:
         out["config"] = str(path)
         out.update(config_values(path))
@@ -370,56 +371,40 @@ class Knowledge:
 
     def situation(
         self,
-        conn: sqlite3.Connection,
+        events: Events,
         incident_id: int,
         kind: str,
         origin: Mapping[str, Any],
         detail: Mapping[str, Any],
-        run: Mapping[str, Any],
+        run: Run | None,
     ) -> Situation:
-        rows = conn.execute(
-            "SELECT DISTINCT kind, json_extract(fields, '$.backend'), "
-            "json_extract(fields, '$.code') FROM events WHERE incident_id = ?",
-            (incident_id,),
-        ).fetchall()
+        rows = events.backends_and_codes(incident_id)
         kinds = {r[0] for r in rows}
         backends = {str(r[1]).lower() for r in rows if r[1]}
         codes = {str(r[2]) for r in rows if r[2]}
-        messages = [
-            m
-            for (m,) in conn.execute(
-                "SELECT message FROM events WHERE incident_id = ? ORDER BY id LIMIT 50",
-                (incident_id,),
-            )
-        ]
+        first = events.of_incident(incident_id, limit=50)
+        messages = [e.message for e in first]
+        facts = run.facts if run is not None else {}
         known: dict[str, tuple[str, str]] = dict(self.configured)
-        for name, v in ((run.get("facts") or {}).get("versions") or {}).items():
+        for name, v in (facts.get("versions") or {}).items():
             if v:
                 known.setdefault(name, (str(v), "printed by the run"))
         for name, pair in self.node.items():
             known.setdefault(name, pair)
         versions = {k: v for k, (v, _) in known.items()}
         sources = {k: where for k, (_, where) in known.items()}
-        told = (run.get("facts") or {}).get("unknown") or {}
+        told = facts.get("unknown") or {}
         unknown = {str(k): str(why) for k, why in told.items() if k not in versions and why}
         # samples with empty ground truth count when they came just before this incident (the
         # NaN story links them); other data issues (msprobe's empty tensors) anywhere in the run
         data_issue = bool(detail.get("related_data_issues")) or (
-            bool(
-                conn.execute(
-                    "SELECT 1 FROM events WHERE run_id IS ? AND kind = 'data_issue' AND "
-                    "coalesce(json_extract(fields, '$.reason'), '') NOT IN (?, ?) LIMIT 1",
-                    (run.get("id"), *SAMPLE_REASONS),
-                ).fetchone()
-            )
-            if run.get("id") is not None
+            events.run_has_data_issue(run.id, except_reasons=SAMPLE_REASONS)
+            if run is not None
             else False
         )
         fields: dict[str, set[Any]] = {}
-        for (fjson,) in conn.execute(
-            "SELECT fields FROM events WHERE incident_id = ? ORDER BY id LIMIT 50", (incident_id,)
-        ):
-            for k, v in json.loads(fjson or "{}").items():
+        for e in first:
+            for k, v in e.fields.items():
                 if isinstance(v, (str, int, float, bool)):
                     fields.setdefault(k, set()).add(v)
         return Situation(
@@ -434,8 +419,8 @@ class Knowledge:
             unknown=unknown,
             data_issue=data_issue,
             fields={k: frozenset(v) for k, v in fields.items()},
-            run=run.get("name"),
-            work_dir=run.get("root"),
+            run=run.name if run is not None else None,
+            work_dir=run.root if run is not None else None,
             extra=_run_values(incident_id, run),
         )
 
@@ -444,11 +429,11 @@ class Knowledge:
 
     def hints_for(
         self,
-        conn: sqlite3.Connection,
+        events: Events,
         incident_id: int,
         kind: str,
         origin: Mapping[str, Any],
         detail: Mapping[str, Any],
-        run: Mapping[str, Any],
+        run: Run | None,
     ) -> list[dict[str, Any]]:
-        return self.match(self.situation(conn, incident_id, kind, origin, detail, run))
+        return self.match(self.situation(events, incident_id, kind, origin, detail, run))
