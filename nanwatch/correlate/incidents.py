@@ -8,6 +8,11 @@ that the rank died; an exit a rank's own communication failure caused follows th
 (``effects.py``). Every material change bumps the incident's ``version`` and is returned as a
 :class:`Change` for the outbox.
 
+The store is reached only through ``store.events`` and ``store.incidents``: events come in as
+``StoredEvent`` and incidents as ``Incident`` records; what a pass decides goes back as
+``NewIncident``, ``IncidentUpdate`` (everything one pass learned, the origin function's
+explanation included) or ``StatusChange``, which the store writes.
+
 Lifecycle: ``open`` -> ``resolved`` when the run recovers (finite losses again after a NaN) or,
 under ``watch``, after a quiet period; a recurrence later opens a new incident. Incidents
 absorbed into another one become ``merged``. ``scan`` never resolves an incident because its
