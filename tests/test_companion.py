@@ -19,6 +19,8 @@ from nanwatch.pipeline import Pipeline
 from nanwatch.query import list_incidents, list_runs, show_incident
 from nanwatch.render import render_story
 from nanwatch.store import Store
+from nanwatch.store.events import Events
+from nanwatch.store.incidents import Incidents
 
 from .conftest import nanwatch
 
@@ -170,9 +172,9 @@ def test_run_facts_from_every_rank_keep_rank_zeros_identity(tmp_path: Path) -> N
         assert f["backend"] == "hccl" and f["launcher"] == "pytorch"
         # the knowledge base says which CANN the run printed
         (inc,) = list_incidents(store.conn)
-        run_row = {"id": 1, "name": run["name"], "facts": f}
+        run_row = Incidents(store).run(run["id"])
         hints = Knowledge.load().hints_for(
-            store.conn,
+            Events(store),
             inc["id"],
             "nan",
             {"tensor": "module.dn_query_generator.label_embedding.weight"},

@@ -17,13 +17,12 @@ the host's OOM killer, a segfault) stays a root.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..events import parse_utc
+from ..store.incidents import Incidents
+from ..store.records import JSON, StoredEvent
 
 ROOT_KINDS = ("oom", "process_failure")  # in priority order: an OOM absorbs its process failure
 SYMPTOM_KINDS = ("comm_timeout", "comm_error")
@@ -42,7 +41,7 @@ class Timeouts:
     hccl: float | None = None
     nccl: float | None = None
 
-    def for_backend(self, backend: str | None, event_timeout_ms: Any = None) -> float:
+    def for_backend(self, backend: str | None, event_timeout_ms: JSON = None) -> float:
         if isinstance(event_timeout_ms, (int, float)) and event_timeout_ms > 0:
             return float(event_timeout_ms) / 1000.0
         b = (backend or "").lower()
@@ -52,7 +51,7 @@ class Timeouts:
             return self.nccl
         return DEFAULT_TIMEOUT.get(b, 1800.0)
 
-    def with_facts(self, facts: Mapping[str, Any]) -> Timeouts:
+    def with_facts(self, facts: Mapping[str, JSON]) -> Timeouts:
         """These (configured) timeouts, else those the run said were in force (its facts):
         ``HCCL_EXEC_TIMEOUT`` for HCCL; ``NCCL_TIMEOUT``, else the process group's timeout of
         an NCCL group, for NCCL."""
@@ -66,15 +65,15 @@ class Timeouts:
         return Timeouts(hccl, nccl)
 
 
-def _seconds(v: Any) -> float | None:
+def _seconds(v: JSON) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
         return float(v)
     return None
 
 
-def event_time(ev: Mapping[str, Any]) -> float | None:
+def event_time(ev: StoredEvent) -> float | None:
     """The event's own time, else the last time its stream printed (tracebacks have none)."""
-    t = ev.get("time") or (ev.get("fields") or {}).get("stream_time")
+    t = ev.time or ev.fields.get("stream_time")
     if not t:
         return None
     try:
@@ -83,16 +82,16 @@ def event_time(ev: Mapping[str, Any]) -> float | None:
         return None
 
 
-def exception_exit(ev: Mapping[str, Any]) -> bool:
+def exception_exit(ev: StoredEvent) -> bool:
     """A process failure that is an ordinary non-zero exit (an exception), not a signal."""
-    if ev["kind"] != "process_failure":
+    if ev.kind != "process_failure":
         return False
-    f = ev.get("fields") or {}
+    f = ev.fields
     code = f.get("exit_code")
     return isinstance(code, int) and code > 0 and not f.get("signal") and not f.get("reason")
 
 
-def _aborted(f: Mapping[str, Any]) -> bool:
+def _aborted(f: Mapping[str, JSON]) -> bool:
     code = f.get("exit_code")
     return (
         f.get("signal") == "SIGABRT"
@@ -101,37 +100,37 @@ def _aborted(f: Mapping[str, Any]) -> bool:
     )
 
 
-def may_be_torn_down(ev: Mapping[str, Any]) -> bool:
+def may_be_torn_down(ev: StoredEvent) -> bool:
     """A process failure that a communication failure of its own process can explain: an
     exception, an abort (what a watchdog does), or a report that does not say how it ended
     (``ChildFailedError``). Signals from outside (SIGKILL, SIGTERM) and crashes cannot."""
-    if ev["kind"] != "process_failure" or ev.get("device"):
+    if ev.kind != "process_failure" or ev.device:
         return False  # a kernel that faulted on the device is a crash of its own
-    f = ev.get("fields") or {}
+    f = ev.fields
     if exception_exit(ev) or _aborted(f):
         return True
     return f.get("exit_code") is None and not f.get("signal") and not f.get("reason")
 
 
-def same_process(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+def same_process(a: StoredEvent, b: StoredEvent) -> bool:
     """Could two events come from one process (same rank, else same local rank on one node)?
     An event that names no rank may be any of them."""
-    ra, rb = a.get("rank"), b.get("rank")
+    ra, rb = a.rank, b.rank
     if ra is not None and rb is not None:
         return bool(ra == rb)
-    la = ra if ra is not None else a.get("local_rank")
-    lb = rb if rb is not None else b.get("local_rank")
+    la = ra if ra is not None else a.local_rank
+    lb = rb if rb is not None else b.local_rank
     if la is None or lb is None:
         return True
-    na, nb = a.get("node"), b.get("node")
+    na, nb = a.node, b.node
     return bool(la == lb and (not na or not nb or na == nb))
 
 
-def torn_down(effect: Mapping[str, Any], cause: Mapping[str, Any]) -> bool:
+def torn_down(effect: StoredEvent, cause: StoredEvent) -> bool:
     """Did communication failure ``cause`` take the process of ``effect`` (a process
     failure) down? Same process, the exit at or shortly after the failure; when a time is
     missing, the same process is the evidence."""
-    if cause["kind"] not in SYMPTOM_KINDS or not may_be_torn_down(effect):
+    if cause.kind not in SYMPTOM_KINDS or not may_be_torn_down(effect):
         return False
     if not same_process(effect, cause):
         return False
@@ -143,11 +142,11 @@ def torn_down(effect: Mapping[str, Any], cause: Mapping[str, Any]) -> bool:
     return not (e_lo is not None and c_hi is not None and e_lo > c_hi + TEARDOWN_AFTER)
 
 
-def _bounds(ev: Mapping[str, Any]) -> tuple[float | None, float | None]:
+def _bounds(ev: StoredEvent) -> tuple[float | None, float | None]:
     """When the event happened, at the earliest and the latest: its own time is both; a
     line without one happened after the last time its stream printed (a lower bound)."""
     t = event_time(ev)
-    return t, (t if ev.get("time") else None)
+    return t, (t if ev.time else None)
 
 
 @dataclass(frozen=True)
@@ -160,24 +159,19 @@ class Root:
     event_id: int | None = None
 
 
-def roots_of_run(conn: sqlite3.Connection, run_id: int | None) -> list[Root]:
+def roots_of_run(incidents: Incidents, run_id: int | None) -> list[Root]:
     """Open root-cause incidents of a run, earliest first, with their root event's time."""
-    rows = conn.execute(
-        "SELECT i.id, i.kind, i.origin, i.ranks FROM incidents i WHERE i.run_id IS ? "
-        "AND i.status = 'open' AND i.kind IN ('oom', 'process_failure') ORDER BY i.id",
-        (run_id,),
-    ).fetchall()
     out = []
-    for iid, kind, origin_json, ranks_json in rows:
-        origin = json.loads(origin_json or "{}")
+    for inc in incidents.open_of_kinds(run_id, ROOT_KINDS):
+        origin = inc.origin
         t = origin.get("time")
         when = parse_utc(t) if t else None
         out.append(
             Root(
-                iid,
-                kind,
+                inc.id,
+                inc.kind,
                 origin.get("rank"),
-                frozenset(json.loads(ranks_json or "[]")),
+                frozenset(inc.ranks),
                 when,
                 origin.get("event_id"),
             )
@@ -186,9 +180,9 @@ def roots_of_run(conn: sqlite3.Connection, run_id: int | None) -> list[Root]:
     return out
 
 
-def links(root: Root, ev: Mapping[str, Any], timeouts: Timeouts) -> bool:
+def links(root: Root, ev: StoredEvent, timeouts: Timeouts) -> bool:
     """Does symptom event ``ev`` follow from ``root``?"""
-    fields = ev.get("fields") or {}
+    fields = ev.fields
     remote = fields.get("remote_rank")
     if remote is not None and root.rank is not None:
         try:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping
-from typing import Any
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-def fill_command(template: str, values: Mapping[str, Any]) -> str:
+def fill_command(template: str, values: Mapping[str, object]) -> str:
     """``template`` with each ``{name}`` in ``values`` replaced by its shell-quoted value."""
     out: list[str] = []
     quote = ""  # the quote character the template has open here: "", "'" or '"'

@@ -10,79 +10,61 @@ one the launcher reported again, by global rank, in another incident (torchrun p
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Mapping
-from typing import Any
-
-from ..store.db import Store
-from ..store.records import EVENT_COLUMNS
+from ..store.events import Events
+from ..store.incidents import Incidents
+from ..store.records import JSON, StoredEvent
 from .chains import Root, may_be_torn_down, roots_of_run, torn_down
 
 
-def comm_events_of(conn: sqlite3.Connection, ev: Mapping[str, Any]) -> list[dict[str, Any]]:
+def comm_events_of(events: Events, ev: StoredEvent) -> list[StoredEvent]:
     """The run's correlated communication failures that could be ``ev``'s process's."""
-    rank = ev.get("rank") if ev.get("rank") is not None else ev.get("local_rank")
-    rows = conn.execute(
-        f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id IS ? AND kind IN "
-        "('comm_timeout', 'comm_error') AND incident_id IS NOT NULL "
-        "AND (? IS NULL OR rank IS NULL OR rank = ? OR local_rank = ?) ORDER BY id LIMIT 500",
-        (ev["run_id"], rank, rank, rank),
-    ).fetchall()
-    return [Store._event(r) for r in rows]
+    rank = ev.rank if ev.rank is not None else ev.local_rank
+    return events.comm_failures(ev.run_id, rank)
 
 
-def root_exit(conn: sqlite3.Connection, root: Root) -> dict[str, Any] | None:
+def root_exit(events: Events, root: Root) -> StoredEvent | None:
     """The root event of a process-failure root, if it is an exit a failure could cause."""
     if root.kind != "process_failure" or root.event_id is None:
         return None
-    row = conn.execute(f"SELECT {EVENT_COLUMNS} FROM events WHERE id = ?", (root.event_id,))
-    found = row.fetchone()
-    ev = Store._event(found) if found else None
+    ev = events.get(root.event_id)
     return ev if ev is not None and may_be_torn_down(ev) else None
 
 
-def torn_down_by(conn: sqlite3.Connection, root: Root, ev: Mapping[str, Any]) -> bool:
+def torn_down_by(events: Events, root: Root, ev: StoredEvent) -> bool:
     """Is ``root`` (a process failure) the exit that communication failure ``ev`` caused?"""
-    exit_ev = root_exit(conn, root)
+    exit_ev = root_exit(events, root)
     return exit_ev is not None and torn_down(exit_ev, ev)
 
 
-def _open(conn: sqlite3.Connection, incident_id: Any) -> bool:
-    row = conn.execute("SELECT status FROM incidents WHERE id = ?", (incident_id,)).fetchone()
-    return row is not None and row[0] == "open"
+def _open(incidents: Incidents, incident_id: int | None) -> bool:
+    inc = incidents.get(incident_id) if incident_id is not None else None
+    return inc is not None and inc.status == "open"
 
 
-def next_effect(conn: sqlite3.Connection, run_id: Any) -> tuple[int, int] | None:
+def next_effect(events: Events, incidents: Incidents, run_id: int | None) -> tuple[int, int] | None:
     """(an open incident of the run, the open incident it is an effect of), or None."""
-    for root in roots_of_run(conn, run_id):
-        exit_ev = root_exit(conn, root)
+    for root in roots_of_run(incidents, run_id):
+        exit_ev = root_exit(events, root)
         if exit_ev is None:
             continue
-        for other in comm_events_of(conn, exit_ev):
-            dst = other["incident_id"]
-            if dst != root.incident_id and torn_down(exit_ev, other) and _open(conn, dst):
-                return root.incident_id, int(dst)
-    return _repeated_report(conn, run_id)
+        for other in comm_events_of(events, exit_ev):
+            dst = other.incident_id
+            if dst != root.incident_id and torn_down(exit_ev, other) and _open(incidents, dst):
+                assert dst is not None
+                return root.incident_id, dst
+    return _repeated_report(events, run_id)
 
 
-def _repeated_report(conn: sqlite3.Connection, run_id: Any) -> tuple[int, int] | None:
+def _repeated_report(events: Events, run_id: int | None) -> tuple[int, int] | None:
     """A process-failure incident whose every exit (node, pid) is in another open incident."""
-    rows = conn.execute(
-        "SELECT e.incident_id, e.node, json_extract(e.fields, '$.pid'), i.kind "
-        "FROM events e JOIN incidents i ON i.id = e.incident_id WHERE e.run_id IS ? "
-        "AND e.kind = 'process_failure' AND i.status = 'open'",
-        (run_id,),
-    ).fetchall()
-    where: dict[tuple[Any, Any], set[int]] = {}
+    rows = events.exits_in_open_incidents(run_id)
+    where: dict[tuple[str | None, JSON], set[int]] = {}
     for iid, node, pid, _kind in rows:
         if pid is not None:
             where.setdefault((node, pid), set()).add(iid)
     for iid in sorted({r[0] for r in rows if r[3] == "process_failure"}):
-        kinds = conn.execute(
-            "SELECT DISTINCT kind FROM events WHERE incident_id = ?", (iid,)
-        ).fetchall()
         mine = [(n, p) for i, n, p, _k in rows if i == iid]
-        if kinds != [("process_failure",)] or any(p is None for _n, p in mine):
+        if events.kinds(iid) != ["process_failure"] or any(p is None for _n, p in mine):
             continue
         others = set.intersection(*(where[k] - {iid} for k in mine)) if mine else set()
         if others:

@@ -11,7 +11,6 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 # what to run to find a version (the first command on the node that ran the job)
 HOW_TO_FIND: dict[str, tuple[str, ...]] = {
@@ -60,7 +59,7 @@ def node_cann_version(environ: Mapping[str, str] | None = None) -> tuple[str | N
     return None, None
 
 
-def version_key(v: str) -> tuple[Any, ...]:
+def version_key(v: str) -> tuple[tuple[int, ...], tuple[int, int]]:
     """Order versions like CANN and Python packages: 8.0.RC2 < 8.0.0 < 8.0.1; 2.1.0a0 < 2.1.0.
 
     Release numbers, then the pre-release (alpha < beta < RC < final); local parts (``+cpu``)

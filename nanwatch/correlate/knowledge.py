@@ -31,16 +31,15 @@ An entry says when it applies to an incident, what to tell people and what to ru
 from __future__ import annotations
 
 import difflib
-import json
 import re
-import sqlite3
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..errors import RuleError
+from ..store.events import Events
+from ..store.records import JSON, Run
 from .commands import check_command, fill_command
 from .facts import HOW_TO_FIND, LABELS, node_cann_version, satisfies
 from .samples import SAMPLE_REASONS
@@ -96,7 +95,7 @@ class Situation:
     """What the knowledge base sees of an incident."""
 
     kind: str
-    origin: Mapping[str, Any] = field(default_factory=dict)
+    origin: Mapping[str, JSON] = field(default_factory=dict)
     symptoms: frozenset[str] = frozenset()
     backends: frozenset[str] = frozenset()
     codes: frozenset[str] = frozenset()
@@ -105,11 +104,11 @@ class Situation:
     version_sources: Mapping[str, str] = field(default_factory=dict)
     unknown: Mapping[str, str] = field(default_factory=dict)  # version -> why the run cannot tell
     data_issue: bool = False
-    fields: Mapping[str, frozenset[Any]] = field(default_factory=dict)
+    fields: Mapping[str, frozenset[JSON]] = field(default_factory=dict)
     run: str | None = None
     work_dir: str | None = None
     # more values hints may name: {incident}, {config}, {annotations}, {classes}
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, JSON] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class Cause:
     text: str
     commands: tuple[str, ...]
     priority: int
-    when: Mapping[str, Any]
+    when: Mapping[str, JSON]
     source: Path
     examples: tuple[Situation, ...] = ()
     counterexamples: tuple[Situation, ...] = ()
@@ -166,8 +165,8 @@ class Cause:
                 return False
         return True
 
-    def hint(self, s: Situation) -> dict[str, Any]:
-        values: dict[str, Any] = dict(s.versions)
+    def hint(self, s: Situation) -> dict[str, JSON]:
+        values: dict[str, JSON] = dict(s.versions)
         values.update({k: s.origin.get(k) for k in ("rank", "stage", "step", "tensor", "module")})
         values["run"] = s.run
         values["work_dir"] = s.work_dir
@@ -205,20 +204,21 @@ class Cause:
         }
 
 
-def _run_values(incident_id: int, run: Mapping[str, Any]) -> dict[str, Any]:
+def _run_values(incident_id: int, run: Run | None) -> dict[str, JSON]:
     from .runconfig import config_file, config_values
 
-    out: dict[str, Any] = {"incident": incident_id}
-    name = str(run.get("name") or "")
-    launch = name.rsplit("/", 1)[-1] if "/" in name else None
-    path = config_file(run.get("root"), run.get("experiment"), launch)
+    out: dict[str, JSON] = {"incident": incident_id}
+    if run is None:
+        return out
+    launch = run.name.rsplit("/", 1)[-1] if "/" in run.name else None
+    path = config_file(run.root, run.experiment, launch)
     if path is not None:
         out["config"] = str(path)
         out.update(config_values(path))
     return out
 
 
-def _fill(template: str, values: Mapping[str, Any]) -> str:
+def _fill(template: str, values: Mapping[str, JSON]) -> str:
     def sub(m: re.Match[str]) -> str:
         name = m.group(1)
         if name not in values:
@@ -239,7 +239,7 @@ def _commands(src: Path, cid: str, raw: object) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _situation(raw: Mapping[str, Any]) -> Situation:
+def _situation(raw: Mapping[str, JSON]) -> Situation:
     return Situation(
         kind=raw.get("kind", ""),
         origin={"stage": raw.get("stage"), **raw.get("origin", {})},
@@ -257,7 +257,9 @@ def _fail(src: Path, cid: str | None, msg: str) -> RuleError:
     return RuleError(f"{src}" + (f": cause {cid!r}" if cid else "") + f": {msg}")
 
 
-def _keys(src: Path, cid: str | None, table: Mapping[str, Any], valid: set[str], what: str) -> None:
+def _keys(
+    src: Path, cid: str | None, table: Mapping[str, JSON], valid: set[str], what: str
+) -> None:
     for k in table:
         if k not in valid:
             near = difflib.get_close_matches(k, sorted(valid), n=1, cutoff=0.5)
@@ -353,7 +355,14 @@ class Knowledge:
                 self.node["cann"] = (v, f"this node's {where}")
 
     @classmethod
-    def load(cls, dirs: Iterable[str | Path] = (), *, builtin: bool = True, **kw: Any) -> Knowledge:
+    def load(
+        cls,
+        dirs: Iterable[str | Path] = (),
+        *,
+        builtin: bool = True,
+        cann_version: str | None = None,
+        node_facts: bool = True,
+    ) -> Knowledge:
         from ..resources import data_dir
 
         folders = [Path(d) for d in dirs]
@@ -366,60 +375,44 @@ class Knowledge:
                 raise RuleError(f"{d}: knowledge folder not found; fix [knowledge] dirs")
             for f in sorted(d.glob("*.toml")):
                 causes.extend(load_causes(f, seen))
-        return cls(causes, **kw)
+        return cls(causes, cann_version=cann_version, node_facts=node_facts)
 
     def situation(
         self,
-        conn: sqlite3.Connection,
+        events: Events,
         incident_id: int,
         kind: str,
-        origin: Mapping[str, Any],
-        detail: Mapping[str, Any],
-        run: Mapping[str, Any],
+        origin: Mapping[str, JSON],
+        detail: Mapping[str, JSON],
+        run: Run | None,
     ) -> Situation:
-        rows = conn.execute(
-            "SELECT DISTINCT kind, json_extract(fields, '$.backend'), "
-            "json_extract(fields, '$.code') FROM events WHERE incident_id = ?",
-            (incident_id,),
-        ).fetchall()
+        rows = events.backends_and_codes(incident_id)
         kinds = {r[0] for r in rows}
         backends = {str(r[1]).lower() for r in rows if r[1]}
         codes = {str(r[2]) for r in rows if r[2]}
-        messages = [
-            m
-            for (m,) in conn.execute(
-                "SELECT message FROM events WHERE incident_id = ? ORDER BY id LIMIT 50",
-                (incident_id,),
-            )
-        ]
+        first = events.of_incident(incident_id, limit=50)
+        messages = [e.message for e in first]
+        facts = run.facts if run is not None else {}
         known: dict[str, tuple[str, str]] = dict(self.configured)
-        for name, v in ((run.get("facts") or {}).get("versions") or {}).items():
+        for name, v in (facts.get("versions") or {}).items():
             if v:
                 known.setdefault(name, (str(v), "printed by the run"))
         for name, pair in self.node.items():
             known.setdefault(name, pair)
         versions = {k: v for k, (v, _) in known.items()}
         sources = {k: where for k, (_, where) in known.items()}
-        told = (run.get("facts") or {}).get("unknown") or {}
+        told = facts.get("unknown") or {}
         unknown = {str(k): str(why) for k, why in told.items() if k not in versions and why}
         # samples with empty ground truth count when they came just before this incident (the
         # NaN story links them); other data issues (msprobe's empty tensors) anywhere in the run
         data_issue = bool(detail.get("related_data_issues")) or (
-            bool(
-                conn.execute(
-                    "SELECT 1 FROM events WHERE run_id IS ? AND kind = 'data_issue' AND "
-                    "coalesce(json_extract(fields, '$.reason'), '') NOT IN (?, ?) LIMIT 1",
-                    (run.get("id"), *SAMPLE_REASONS),
-                ).fetchone()
-            )
-            if run.get("id") is not None
+            events.run_has_data_issue(run.id, except_reasons=SAMPLE_REASONS)
+            if run is not None
             else False
         )
-        fields: dict[str, set[Any]] = {}
-        for (fjson,) in conn.execute(
-            "SELECT fields FROM events WHERE incident_id = ? ORDER BY id LIMIT 50", (incident_id,)
-        ):
-            for k, v in json.loads(fjson or "{}").items():
+        fields: dict[str, set[JSON]] = {}
+        for e in first:
+            for k, v in e.fields.items():
                 if isinstance(v, (str, int, float, bool)):
                     fields.setdefault(k, set()).add(v)
         return Situation(
@@ -434,21 +427,21 @@ class Knowledge:
             unknown=unknown,
             data_issue=data_issue,
             fields={k: frozenset(v) for k, v in fields.items()},
-            run=run.get("name"),
-            work_dir=run.get("root"),
+            run=run.name if run is not None else None,
+            work_dir=run.root if run is not None else None,
             extra=_run_values(incident_id, run),
         )
 
-    def match(self, s: Situation) -> list[dict[str, Any]]:
+    def match(self, s: Situation) -> list[dict[str, JSON]]:
         return [c.hint(s) for c in self.causes if c.matches(s)][: self.MAX_HINTS]
 
     def hints_for(
         self,
-        conn: sqlite3.Connection,
+        events: Events,
         incident_id: int,
         kind: str,
-        origin: Mapping[str, Any],
-        detail: Mapping[str, Any],
-        run: Mapping[str, Any],
-    ) -> list[dict[str, Any]]:
-        return self.match(self.situation(conn, incident_id, kind, origin, detail, run))
+        origin: Mapping[str, JSON],
+        detail: Mapping[str, JSON],
+        run: Run | None,
+    ) -> list[dict[str, JSON]]:
+        return self.match(self.situation(events, incident_id, kind, origin, detail, run))

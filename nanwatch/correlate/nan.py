@@ -5,51 +5,51 @@ define the origin when there are any; otherwise the earliest (step, rank) event 
 as for every other kind. msprobe counts optimizer steps from 0 and frameworks their iterations
 from 1, so text lines and tensor findings are never compared by step. The explanation goes to
 the incident's ``detail``: ``root_cause``, ``notes`` and ``followed`` (which ranks and tensor
-families were non-finite at which steps).
+families were non-finite at which steps), returned with the origin for the incident's update
+(``Origin.explains``): nothing here writes the incident.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ..detect.msprobe.names import looks_squashed
-from ..store.db import Store
-from ..store.records import EVENT_COLUMNS
+from ..store.events import Events, TensorGroup
+from ..store.records import JSON, Incident
 from .nanloc import GRADS, PHASE_RANK, Finding, first_param, localise, merge, ranks_of
-from .origin import earliest_event_origin, origin_of, register
-
-_TENSOR = 'fields LIKE \'%"via":"%\''
+from .origin import Origin, earliest_event_origin, origin_of, register
 
 
-def _events(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
-    return [Store._event(r) for r in conn.execute(sql, params).fetchall()]
+@dataclass(frozen=True)
+class NanFinding:
+    """What the tensor findings say about a NaN incident: its root cause, notes, and which
+    ranks and tensor families were non-finite at which steps (``followed``)."""
+
+    root_cause: str
+    notes: tuple[str, ...]
+    followed: tuple[Mapping[str, JSON], ...]
+
+    def detail(self) -> dict[str, JSON]:
+        """Its keys of the incident's ``detail`` (whatever else explains the incident, known
+        causes, keeps its own)."""
+        return {
+            "root_cause": self.root_cause,
+            "notes": list(self.notes),
+            "followed": [dict(f) for f in self.followed],
+        }
 
 
 @register("nan")
-def nan_origin(
-    conn: sqlite3.Connection, incident_id: int
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    row = conn.execute(
-        f"SELECT min(step) FROM events WHERE incident_id=? AND step IS NOT NULL AND {_TENSOR}",
-        (incident_id,),
-    ).fetchone()
-    if row is None or row[0] is None:
-        return earliest_event_origin(conn, incident_id)
-    step = int(row[0])
-    at_step = merge(
-        _events(
-            conn,
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE incident_id=? AND step=? AND {_TENSOR}",
-            (incident_id, step),
-        )
-    )
+def nan_origin(events: Events, inc: Incident) -> Origin:
+    step = events.first_tensor_step(inc.id)
+    if step is None:
+        return earliest_event_origin(events, inc)
+    at_step = merge(events.tensor_findings(inc.id, step))
     if not at_step:
-        return earliest_event_origin(conn, incident_id)
-    story = localise(at_step, xy_monitored=_xy_monitored(conn, incident_id))
-    fp = story.first_param or _later_first_param(conn, incident_id, story.rank)
+        return earliest_event_origin(events, inc)
+    story = localise(at_step, xy_monitored=events.activation_grads_monitored(inc.run_id, inc.id))
+    fp = story.first_param or _later_first_param(events, inc.id, story.rank)
     origin = origin_of(story.root.ev)
     origin.update(
         phase=story.root.fields.get("phase"),
@@ -67,7 +67,7 @@ def nan_origin(
         origin["candidates"] = list(cand_src["candidates"])
         origin["ambiguous"] = bool(cand_src.get("ambiguous"))
     notes = list(story.notes)
-    notes += _empty_note(conn, incident_id, story.rank, step)
+    notes += _empty_note(events, inc.run_id, story.rank, step)
     notes += _candidates_note(cand_src)
     named = fp.tensor if fp is not None else story.root.tensor
     if not cand_src.get("candidates") and looks_squashed(named):
@@ -76,47 +76,21 @@ def nan_origin(
             "module's full path then ends with it; `nanwatch shapes CHECKPOINT --shape ...` lists "
             "the parameters of that shape"
         )
-    followed = _followed(conn, incident_id)
+    followed = _followed(events.tensor_groups(inc.id))
     notes += _followed_notes(followed)
-    notes += _text_note(conn, incident_id)
-    _write_detail(conn, incident_id, story.root_cause, notes, followed)
-    return story.root.ev, origin
+    notes += _text_note(events, inc.id)
+    finding = NanFinding(story.root_cause, tuple(notes), tuple(followed))
+    return Origin(story.root.ev, origin, finding.detail())
 
 
-def _xy_monitored(conn: sqlite3.Connection, incident_id: int) -> bool:
-    """Did the run record activation gradients (msprobe's xy_distribution)?"""
-    row = conn.execute(
-        "SELECT 1 FROM sources WHERE run_id = (SELECT run_id FROM incidents WHERE id=?) AND "
-        "(path LIKE '%/actv\\_grad\\_%' ESCAPE '\\' OR path LIKE '%/module\\_step%' ESCAPE '\\') "
-        "LIMIT 1",
-        (incident_id,),
-    ).fetchone()
-    if row is not None:
-        return True
-    row = conn.execute(
-        f"SELECT 1 FROM events WHERE incident_id=? AND {_TENSOR} AND fields LIKE "
-        '\'%"tag":"actv_grad"%\' LIMIT 1',
-        (incident_id,),
-    ).fetchone()
-    return row is not None
-
-
-def _param_block(fd: Finding) -> dict[str, Any]:
+def _param_block(fd: Finding) -> dict[str, JSON]:
     return {"tensor": fd.tensor, "tag": fd.tag, "shape": fd.fields.get("shape"), "step": fd.step}
 
 
-def _later_first_param(
-    conn: sqlite3.Connection, incident_id: int, rank: int | None
-) -> Finding | None:
+def _later_first_param(events: Events, incident_id: int, rank: int | None) -> Finding | None:
     """No gradient went non-finite in the first step: the first one afterwards."""
     for tag in GRADS:
-        like = f'%"tag":"{tag}"%'
-        rows = _events(
-            conn,
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE incident_id=? AND rank IS ? AND "
-            f"fields LIKE ? AND {_TENSOR} ORDER BY step, id LIMIT 2000",
-            (incident_id, rank, like),
-        )
+        rows = events.tensor_findings_tagged(incident_id, rank, tag, limit=2000)
         fds = [f for f in merge(rows) if f.role == "param"]
         if fds:
             first_step = min(f.step for f in fds)
@@ -127,28 +101,22 @@ def _later_first_param(
 # -- what followed, for `show` ---------------------------------------------------------------
 
 
-def _followed(conn: sqlite3.Connection, incident_id: int) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT step, json_extract(fields, '$.tag') AS tag, rank, count(*), "
-        "max(coalesce(json_extract(fields, '$.sampled'), 0)) FROM events "
-        f"WHERE incident_id=? AND step IS NOT NULL AND {_TENSOR} "
-        "GROUP BY step, tag, rank ORDER BY step, tag, rank",
-        (incident_id,),
-    ).fetchall()
-    out: dict[tuple[int, str], dict[str, Any]] = {}
-    for step, tag, rank, n, sampled in rows:
+def _followed(groups: list[TensorGroup]) -> list[dict[str, JSON]]:
+    out: dict[tuple[int, str | None], dict[str, JSON]] = {}
+    for g in groups:
         item = out.setdefault(
-            (step, tag), {"step": step, "tag": tag, "ranks": [], "findings": 0, "sampled": False}
+            (g.step, g.tag),
+            {"step": g.step, "tag": g.tag, "ranks": [], "findings": 0, "sampled": False},
         )
-        if rank is not None:
-            item["ranks"].append(rank)
-        item["findings"] += n
-        item["sampled"] = item["sampled"] or bool(sampled)
+        if g.rank is not None:
+            item["ranks"].append(g.rank)
+        item["findings"] += g.count
+        item["sampled"] = item["sampled"] or g.sampled
     order = sorted(out.values(), key=lambda d: (d["step"], PHASE_RANK.get(d["tag"], 9)))
     return order[:400]
 
 
-def _followed_notes(followed: list[dict[str, Any]], shown: int = 4) -> list[str]:
+def _followed_notes(followed: list[dict[str, JSON]], shown: int = 4) -> list[str]:
     by_step: dict[int, list[str]] = {}
     for item in followed:
         who = ranks_of(item["ranks"]) if item["ranks"] else "an unknown rank"
@@ -163,7 +131,7 @@ def _followed_notes(followed: list[dict[str, Any]], shown: int = 4) -> list[str]
     return lines
 
 
-def _candidates_note(fields: Mapping[str, Any]) -> list[str]:
+def _candidates_note(fields: Mapping[str, JSON]) -> list[str]:
     cands = fields.get("candidates")
     if not cands:
         return []
@@ -179,17 +147,9 @@ def _candidates_note(fields: Mapping[str, Any]) -> list[str]:
     return [f"{fields.get('tensor')} is {listed} in the checkpoint (by {by} {shape})"]
 
 
-def _empty_note(
-    conn: sqlite3.Connection, incident_id: int, rank: int | None, step: int
-) -> list[str]:
+def _empty_note(events: Events, run_id: int | None, rank: int | None, step: int) -> list[str]:
     """Empty tensors on the origin rank at the origin step: an empty input breaks some kernels."""
-    rows = conn.execute(
-        "SELECT DISTINCT json_extract(fields, '$.tensor'), json_extract(fields, '$.module'), "
-        "json_extract(fields, '$.shape') FROM events WHERE kind='data_issue' AND run_id = "
-        "(SELECT run_id FROM incidents WHERE id=?) AND rank IS ? AND step=? AND "
-        'fields LIKE \'%"reason":"empty tensor"%\' LIMIT 5',
-        (incident_id, rank, step),
-    ).fetchall()
+    rows = events.empty_tensors(run_id, rank, step)
     if not rows:
         return []
     what = ", ".join(f"{t} (shape {s})" for t, _, s in rows)
@@ -202,30 +162,11 @@ def _empty_note(
     ]
 
 
-def _text_note(conn: sqlite3.Connection, incident_id: int) -> list[str]:
-    row = conn.execute(
-        "SELECT message, iter, epoch, rank FROM events WHERE incident_id=? AND NOT "
-        f"({_TENSOR}) ORDER BY step IS NULL, step, id LIMIT 1",
-        (incident_id,),
-    ).fetchone()
-    if row is None:
+def _text_note(events: Events, incident_id: int) -> list[str]:
+    ev = events.first_text_event(incident_id)
+    if ev is None:
         return []
     return [
-        f"the training log shows it too ({row[0][:120]}); msprobe counts optimizer steps from "
+        f"the training log shows it too ({ev.message[:120]}); msprobe counts optimizer steps from "
         "0, the framework its iterations from 1: the tensor findings define the origin"
     ]
-
-
-def _write_detail(
-    conn: sqlite3.Connection,
-    incident_id: int,
-    root_cause: str,
-    notes: list[str],
-    followed: list[dict[str, Any]],
-) -> None:
-    # only these keys: whatever else explains the incident (known causes) keeps its own
-    conn.execute(
-        "UPDATE incidents SET detail = json_set(coalesce(nullif(detail, ''), '{}'), "
-        "'$.root_cause', ?, '$.notes', json(?), '$.followed', json(?)) WHERE id=?",
-        (root_cause, json.dumps(notes), json.dumps(followed), incident_id),
-    )

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..detect.msprobe.names import locate
+from ..store.records import JSON, StoredEvent
 
 _BIG = 1 << 30
 PHASE_RANK = {
@@ -40,7 +40,7 @@ GRADS = ("grad_unreduced", "grad_reduced")
 class Finding:
     """One non-finite tensor at one (rank, step, micro-step), merged over its sources."""
 
-    ev: dict[str, Any]
+    ev: StoredEvent
     rank: int | None
     step: int
     tag: str
@@ -53,9 +53,8 @@ class Finding:
     after_finite: bool | None
 
     @property
-    def fields(self) -> Mapping[str, Any]:
-        f: Mapping[str, Any] = self.ev["fields"]
-        return f
+    def fields(self) -> Mapping[str, JSON]:
+        return self.ev.fields
 
     def bucket(self) -> int:
         if self.tag == "param_origin":
@@ -69,7 +68,7 @@ class Finding:
     def phase_key(self) -> tuple[int, int]:
         return self.bucket(), PHASE_RANK.get(self.tag, 9)
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[int, int, int, int, int]:
         # a CSV row's byte offset is its collection order within its file (one step each)
         if self.index is not None:
             order: tuple[int, int] = (0, self.index)
@@ -77,13 +76,13 @@ class Finding:
             order = (1, self.call_id)
         else:
             order = (2, 0)
-        return (*self.phase_key(), *order, self.ev["id"])
+        return (*self.phase_key(), *order, self.ev.id)
 
 
-def _finding(ev: dict[str, Any]) -> Finding | None:
-    f = ev["fields"]
+def _finding(ev: StoredEvent) -> Finding | None:
+    f = ev.fields
     tag, tensor = f.get("tag"), f.get("tensor")
-    if tag not in PHASE_RANK or not isinstance(tensor, str) or ev.get("step") is None:
+    if tag not in PHASE_RANK or not isinstance(tensor, str) or ev.step is None:
         return None
     if f.get("module") is None:
         where = locate(tensor, tag)
@@ -93,24 +92,27 @@ def _finding(ev: dict[str, Any]) -> Finding | None:
     micro = f.get("micro_step")
     return Finding(
         ev=ev,
-        rank=ev.get("rank"),
-        step=int(ev["step"]),
+        rank=ev.rank,
+        step=int(ev.step),
         tag=tag,
         tensor=tensor,
         module=module,
         role=role,
         micro=micro if isinstance(micro, int) else None,
-        index=ev.get("offset") if f.get("via") == "csv" else None,
+        index=ev.offset if f.get("via") == "csv" else None,
         call_id=f.get("call_id") if isinstance(f.get("call_id"), int) else None,
         after_finite=f.get("after_finite") if isinstance(f.get("after_finite"), bool) else None,
     )
 
 
-def merge(events: Iterable[dict[str, Any]]) -> list[Finding]:
+_Ident = tuple[int | None, int, int | None, str, str]
+
+
+def merge(events: Iterable[StoredEvent]) -> list[Finding]:
     """One finding per tensor and place: CSV rows first, call ids from the dumps."""
-    best: dict[tuple[Any, ...], Finding] = {}
-    calls: dict[tuple[Any, ...], int] = {}
-    for ev in sorted(events, key=lambda e: (_VIA_RANK.get(e["fields"].get("via"), 3), e["id"])):
+    best: dict[_Ident, Finding] = {}
+    calls: dict[_Ident, int] = {}
+    for ev in sorted(events, key=lambda e: (_VIA_RANK.get(str(e.fields.get("via")), 3), e.id)):
         fd = _finding(ev)
         if fd is None:
             continue

@@ -18,9 +18,10 @@ gradients, so the others are listed too.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Mapping
-from typing import Any
+
+from ..store.events import Events, MetricReads
+from ..store.records import JSON
 
 SAMPLE_REASONS = ("empty ground truth", "empty batch")
 WINDOW = 50  # iterations looked back when the run logged no finite iteration before the NaN
@@ -28,8 +29,13 @@ LIMIT = 20
 
 
 def related(
-    conn: sqlite3.Connection, run_id: int | None, origin: Mapping[str, Any], *, limit: int = LIMIT
-) -> list[dict[str, Any]]:
+    events: Events,
+    metrics: MetricReads,
+    run_id: int | None,
+    origin: Mapping[str, JSON],
+    *,
+    limit: int = LIMIT,
+) -> list[dict[str, JSON]]:
     """The sample findings of ``run_id`` in the steps that lead to ``origin`` (closest first)."""
     step = origin.get("step")
     if run_id is None or not isinstance(step, int):
@@ -39,27 +45,18 @@ def related(
         lo = hi - 1
     else:
         hi = step
-        row = conn.execute(
-            "SELECT max(step) FROM metrics WHERE run_id = ? AND stage = 'train' AND step < ? "
-            "AND loss IS NOT NULL AND abs(loss) < 1e300",
-            (run_id, hi),
-        ).fetchone()
-        lo = int(row[0]) if row and row[0] is not None else max(0, hi - WINDOW)
-    rows = conn.execute(
-        "SELECT min(id), rank, epoch, iter, step, json_extract(fields, '$.reason') AS reason, "
-        "json_extract(fields, '$.image'), json_extract(fields, '$.image_id'), min(time) "
-        "FROM events WHERE run_id = ? AND kind = 'data_issue' AND step BETWEEN ? AND ? "
-        f"AND reason IN ({','.join('?' * len(SAMPLE_REASONS))}) "
-        # the same record read from the log file and from the captured stdout is one sample
-        "GROUP BY rank, step, reason, json_extract(fields, '$.image'), "
-        "json_extract(fields, '$.image_id')",
-        (run_id, lo, hi, *SAMPLE_REASONS),
-    ).fetchall()
+        last = metrics.last_finite_step_before(run_id, hi)
+        lo = last if last is not None else max(0, hi - WINDOW)
     rank = origin.get("rank")
     out = []
-    for eid, r, epoch, it, st, reason, image, image_id, when in rows:
-        item = {"event_id": eid, "rank": r, "epoch": epoch, "iter": it, "step": st}
-        item.update(reason=reason, image=image, image_id=image_id, time=when)
+    for s in events.sample_issues(run_id, lo, hi, SAMPLE_REASONS):
+        item: dict[str, JSON] = {
+            "event_id": s.event_id,
+            "rank": s.rank,
+            "epoch": s.epoch,
+            "iter": s.iter,
+        }
+        item.update(step=s.step, reason=s.reason, image=s.image, image_id=s.image_id, time=s.time)
         out.append({k: v for k, v in item.items() if v is not None})
     out.sort(key=lambda d: (d.get("rank") != rank, -d["step"], d.get("rank") or 0, d["event_id"]))
     return out[:limit]

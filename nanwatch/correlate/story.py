@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import sqlite3
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..events import parse_utc, ranks_text
+from ..store.events import Events, KindGroup
+from ..store.records import JSON, Run
 
 
 @dataclass
 class Story:
     title: str
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: dict[str, JSON] = field(default_factory=dict)
 
 
-def _at(o: Mapping[str, Any]) -> str:
+def _at(o: Mapping[str, JSON]) -> str:
     if o.get("epoch") is not None and o.get("iter") is not None:
         return f"epoch {o['epoch']} iter {o['iter']}"
     if o.get("step") is not None:
@@ -28,52 +27,47 @@ def _at(o: Mapping[str, Any]) -> str:
 _STAGE_WORD = {"train": "training", "val": "validation", "test": "testing"}
 
 
-def _composition(conn: sqlite3.Connection, incident_id: int) -> dict[str, Any]:
-    rows = conn.execute(
-        "SELECT kind, rank, count(*), min(time), min(step), max(step), "
-        "group_concat(DISTINCT json_extract(fields, '$.backend')), "
-        "group_concat(DISTINCT json_extract(fields, '$.code')), "
-        "group_concat(DISTINCT json_extract(fields, '$.remote_rank')) "
-        "FROM events WHERE incident_id = ? GROUP BY kind, rank",
-        (incident_id,),
-    ).fetchall()
-    by_kind: dict[str, dict[str, Any]] = defaultdict(
-        lambda: {
-            "ranks": set(),
-            "count": 0,
-            "first": None,
-            "backends": set(),
-            "codes": set(),
-            "remote": set(),
-        }
-    )
-    for kind, rank, n, t0, _s0, _s1, backends, codes, remote in rows:
-        k = by_kind[kind]
-        if rank is not None:
-            k["ranks"].add(rank)
-        k["count"] += n
-        if t0 and (k["first"] is None or t0 < k["first"]):
-            k["first"] = t0
-        for v, key in ((backends, "backends"), (codes, "codes"), (remote, "remote")):
-            if v:
-                k[key].update(x for x in str(v).split(",") if x)
+@dataclass
+class _Kind:
+    """An incident's events of one kind, over its ranks."""
+
+    ranks: set[int] = field(default_factory=set)
+    count: int = 0
+    first: str | None = None
+    backends: set[str] = field(default_factory=set)
+    codes: set[str] = field(default_factory=set)
+    remote: set[str] = field(default_factory=set)
+
+
+def _composition(groups: list[KindGroup]) -> dict[str, _Kind]:
+    by_kind: dict[str, _Kind] = {}
+    for g in groups:
+        k = by_kind.setdefault(g.kind, _Kind())
+        if g.rank is not None:
+            k.ranks.add(g.rank)
+        k.count += g.count
+        if g.first_time and (k.first is None or g.first_time < k.first):
+            k.first = g.first_time
+        k.backends.update(g.backends)
+        k.codes.update(g.codes)
+        k.remote.update(g.remote)
     return by_kind
 
 
 def describe(
-    conn: sqlite3.Connection,
+    events: Events,
     incident_id: int,
     kind: str,
-    origin: Mapping[str, Any],
-    run: Mapping[str, Any],
+    origin: Mapping[str, JSON],
+    run: Run | None,
 ) -> Story:
-    comp = _composition(conn, incident_id)
+    comp = _composition(events.composition(incident_id))
     rank = origin.get("rank")
     stage = origin.get("stage")
     at = _at(origin)
-    run_name = run.get("name")
+    run_name = run.name if run is not None else None
     suffix = f" (run {run_name})" if run_name else ""
-    detail: dict[str, Any] = {}
+    detail: dict[str, JSON] = {}
     evidence = origin.get("evidence") or {}
     where = ", ".join(
         x
@@ -131,14 +125,14 @@ def describe(
                 + "."
             )
     elif kind in ("comm_timeout", "comm_error"):
-        info = comp.get(kind, {})
-        backends = "/".join(sorted(b.upper() for b in info.get("backends", ()))) or "collective"
-        codes = ", ".join(sorted(info.get("codes", ())))
+        info = comp.get(kind, _Kind())
+        backends = "/".join(sorted(b.upper() for b in info.backends)) or "collective"
+        codes = ", ".join(sorted(info.codes))
         what = "timeout" if kind == "comm_timeout" else "error"
-        title = f"{backends} {what} on ranks {ranks_text(info.get('ranks', ()))}"
+        title = f"{backends} {what} on ranks {ranks_text(info.ranks)}"
         if codes:
             title += f" ({codes})"
-        remote = sorted(info.get("remote", ()))
+        remote = sorted(info.remote)
         if evidence.get("silent"):
             # the waiting ranks name one that printed nothing: it is the root (see origin.py)
             title = f"Rank {rank} stopped responding: {title}"
@@ -179,11 +173,11 @@ def describe(
         sym_codes: set[str] = set()
         first_sym = None
         for v in symptoms.values():
-            sym_ranks |= v["ranks"]
-            sym_backends |= {b.upper() for b in v["backends"]}
-            sym_codes |= v["codes"]
-            if v["first"] and (first_sym is None or v["first"] < first_sym):
-                first_sym = v["first"]
+            sym_ranks |= v.ranks
+            sym_backends |= {b.upper() for b in v.backends}
+            sym_codes |= v.codes
+            if v.first and (first_sym is None or v.first < first_sym):
+                first_sym = v.first
         other = sorted(sym_ranks - ({rank} if rank is not None else set()))
         bk = "/".join(sorted(sym_backends)) or "collective"
         if other:
@@ -206,7 +200,7 @@ def describe(
         # launcher reports of exits this failure caused (a watchdog aborting its process, the
         # root's own exception): effects, said as such
         comm = kind in ("comm_timeout", "comm_error")
-        exited = sorted(exits["ranks"] - ({rank} if rank is not None and not comm else set()))
+        exited = sorted(exits.ranks - ({rank} if rank is not None and not comm else set()))
         if exited:
             detail["exited_ranks"] = exited
             detail["root_cause"] = (
@@ -217,8 +211,8 @@ def describe(
             ).strip()
     if kind == "nan":
         nan = comp.get("nan")
-        if nan and rank is not None and len(nan["ranks"]) > 1:
-            detail["followed_on_ranks"] = sorted(nan["ranks"] - {rank})
+        if nan and rank is not None and len(nan.ranks) > 1:
+            detail["followed_on_ranks"] = sorted(nan.ranks - {rank})
     return Story(title + suffix, detail)
 
 
@@ -229,7 +223,7 @@ def _int(x: str) -> int | str:
         return x
 
 
-def _delay(t0: Any, t1: Any) -> str:
+def _delay(t0: JSON, t1: str | None) -> str:
     if not t0 or not t1:
         return ""
     try:
