@@ -150,6 +150,8 @@ def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
     out = json.loads(
         nanwatch("fleet", "--once", "--json", "--config", str(fleet_config(tmp_path, dsn))).stdout
     )
+    # --json is an interface: these keys stay (more may come)
+    assert {"waited_for_lock", "cycles", "pulled", "nodes", "silent_nodes", "incidents"} <= set(out)
     (inc,) = out["incidents"]
     assert inc["kind"] == "oom" and inc["origin"]["rank"] == OOM_RANK
     assert inc["origin"]["stage"] == "val"

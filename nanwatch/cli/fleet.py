@@ -189,7 +189,7 @@ def _open_symptoms(work: Any) -> list[int]:
 
     return [
         int(d["id"])
-        for d in list_incidents(work.conn, open_only=True)
+        for d in list_incidents(work, open_only=True)
         if d.get("kind") in SYMPTOM_KINDS
     ]
 
@@ -211,8 +211,8 @@ def _publish(
         return
     docs = []
     for iid in ids:
-        doc = incident_dict(work.conn, iid)
-        full = show_incident(work.conn, iid, max_events=200)
+        doc = incident_dict(work, iid)
+        full = show_incident(work, iid, max_events=200)
         if doc is None or full is None:
             continue
         if doc.get("status") == "open" and doc.get("kind") in SYMPTOM_KINDS and silent:
