@@ -163,6 +163,38 @@ def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
     )
     assert members == NODES
 
+    # the read commands answer on the fleet store like on a node's file
+    env = {"PGPASSWORD": PASSWORD}
+    listed = [
+        json.loads(x)
+        for x in nanwatch("incidents", "--db", dsn, "--json", env=env).stdout.splitlines()
+    ]
+    assert [i["id"] for i in listed] == [inc["id"]] and listed[0]["title"] == inc["title"]
+    story = nanwatch("show", str(inc["id"]), "--db", dsn, env=env).stdout
+    assert f"Out of memory on rank {OOM_RANK}" in story
+    assert f"Node incidents merged into it ({NODES})" in story
+    shown = json.loads(nanwatch("show", str(inc["id"]), "--db", dsn, "--json", env=env).stdout)
+    assert {m["node"] for m in shown["node_incidents"]} == set(logs)
+    (oom,) = [
+        json.loads(x)
+        for x in nanwatch(
+            "events", "--db", dsn, "--kind", "oom", "--json", env=env
+        ).stdout.splitlines()
+    ]
+    assert (oom["rank"], oom["local_rank"], oom["node"]) == (
+        OOM_RANK,
+        OOM_RANK % PER_NODE,
+        "node-01",
+    )
+    runs = [
+        json.loads(x) for x in nanwatch("runs", "--db", dsn, "--json", env=env).stdout.splitlines()
+    ]
+    assert sorted(r["node"] for r in runs) == sorted(logs)
+    # a password on the command line is refused, and never echoed
+    with_pw = dsn.replace("nanwatch@", f"nanwatch:{PASSWORD}@")
+    bad = nanwatch("incidents", "--db", with_pw, check=False)
+    assert bad.returncode != 0 and "PGPASSWORD" in bad.stderr and PASSWORD not in bad.stderr
+
     # a second cycle pulls nothing and changes nothing
     again = json.loads(
         nanwatch("fleet", "--once", "--json", "--config", str(fleet_config(tmp_path, dsn))).stdout

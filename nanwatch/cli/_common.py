@@ -27,6 +27,20 @@ EXIT_VERDICT = 3
 EXIT_UNFIXABLE = 78  # EX_CONFIG: `watch` could not start and a restart would not help
 
 
+class _DbParam(click.ParamType):  # type: ignore[type-arg]
+    """A database file (a Path), or a fleet store's postgresql:// DSN (kept as text)."""
+
+    name = "FILE|DSN"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> object:
+        if isinstance(value, str) and value.startswith(("postgresql://", "postgres://")):
+            return value
+        path = value if isinstance(value, Path) else str(value)
+        return click.Path(dir_okay=False, path_type=Path).convert(path, param, ctx)
+
+
 def db_option(f: F) -> F:
     return click.option(
         "--db",
@@ -35,6 +49,21 @@ def db_option(f: F) -> F:
         default=None,
         help=(
             "Database file (default: $NANWATCH_DB, the config's `db`, or the per-user state path)."
+        ),
+    )(f)
+
+
+def read_db_option(f: F) -> F:
+    """--db of the read commands: a node's file or the fleet store (PostgreSQL)."""
+    return click.option(
+        "--db",
+        "db",
+        type=_DbParam(),
+        default=None,
+        help=(
+            "Database file (default: $NANWATCH_DB, the config's `db`, or the per-user state "
+            "path), or the fleet store: postgresql://USER@HOST:PORT/DB (password from "
+            "PGPASSWORD, ~/.pgpass or the config's [fleet] password_file, never in the URL)."
         ),
     )(f)
 

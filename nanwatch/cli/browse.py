@@ -7,17 +7,20 @@ from pathlib import Path
 import click
 
 from ..errors import NanwatchError
+from ..store.records import JSON
 from ._common import (
     config_option,
-    db_option,
     emit_json,
     handle_errors,
     json_option,
     open_reader,
     out_color,
     out_width,
+    read_db_option,
 )
 from ._filters import SINCE_HELP, UNTIL_HELP, check_filters, match_runs
+
+Doc = dict[str, JSON]
 
 RUN_HELP = (
     "Only this run: its name, a tail of it (20261130_101500 for dino/20261130_101500) "
@@ -27,7 +30,7 @@ RUN_HELP = (
 
 @click.command()
 @config_option
-@db_option
+@read_db_option
 @click.option("--open", "open_only", is_flag=True, help="Only open incidents (--status open).")
 @click.option(
     "--status",
@@ -45,7 +48,7 @@ RUN_HELP = (
 @handle_errors
 def incidents(
     config_path: Path | None,
-    db: Path | None,
+    db: Path | str | None,
     open_only: bool,
     status: str | None,
     run: str | None,
@@ -71,11 +74,19 @@ def incidents(
       nanwatch incidents --since 2026-11-30 --until 2026-12-01T06:00
     """
     from ..query import list_incidents, run_names
-    from ..tables import incidents_table
 
     t0, t1 = check_filters(kind, limit, since, until)
     if open_only and status not in (None, "open"):
         raise click.UsageError(f"--open and --status {status} contradict each other: drop one")
+    if isinstance(db, str):
+        from . import _fleet_reads
+
+        rows = _fleet_reads.incidents(
+            db, config_path, status="open" if open_only else status, kind=kind, run=run,
+            rank=rank, since=t0, until=t1, limit=limit,
+        )  # fmt: skip
+        _print_incidents(rows, as_json, open_only, status, run, kind, since, until, rank)
+        return
     store = open_reader(config_path, db, quiet=as_json)
     try:
         runs = match_runs(run, run_names(store))
@@ -91,6 +102,22 @@ def incidents(
         )
     finally:
         store.close()
+    _print_incidents(rows, as_json, open_only, status, run, kind, since, until, rank)
+
+
+def _print_incidents(
+    rows: list[Doc],
+    as_json: bool,
+    open_only: bool,
+    status: str | None,
+    run: str | None,
+    kind: str | None,
+    since: str | None,
+    until: str | None,
+    rank: int | None,
+) -> None:
+    from ..tables import incidents_table
+
     if as_json:
         for inc in rows:
             emit_json(inc)
@@ -108,7 +135,7 @@ def _filtered(open_only: bool, *given: str | None) -> str:
 
 @click.command()
 @config_option
-@db_option
+@read_db_option
 @click.option(
     "--events",
     "max_events",
@@ -121,7 +148,11 @@ def _filtered(open_only: bool, *given: str | None) -> str:
 @click.argument("incident_id", type=int)
 @handle_errors
 def show(
-    config_path: Path | None, db: Path | None, max_events: int, as_json: bool, incident_id: int
+    config_path: Path | None,
+    db: Path | str | None,
+    max_events: int,
+    as_json: bool,
+    incident_id: int,
 ) -> None:
     """Tell one incident's story: root cause, origin, timeline across ranks, known causes.
 
@@ -133,22 +164,31 @@ def show(
     from ..query import show_incident
     from ..render import render_story
 
-    store = open_reader(config_path, db, quiet=as_json)
-    try:
-        inc = show_incident(store, incident_id, max_events=None if as_json else max_events)
-    finally:
-        store.close()
+    if isinstance(db, str):
+        from . import _fleet_reads
+
+        inc: Doc | None = _fleet_reads.show(db, config_path, incident_id)
+    else:
+        store = open_reader(config_path, db, quiet=as_json)
+        try:
+            inc = show_incident(store, incident_id, max_events=None if as_json else max_events)
+        finally:
+            store.close()
     if inc is None:
         raise NanwatchError(f"no incident #{incident_id}; list them with `nanwatch incidents`")
     if as_json:
         emit_json(inc)
     else:
         click.echo(render_story(inc, color=out_color(), max_events=max_events))
+        merged = inc.get("node_incidents") or []
+        if merged:
+            names = ", ".join(f"{m['node']}#{m['id']}" for m in merged)
+            click.echo(f"Node incidents merged into it ({len(merged)}): {names}")
 
 
 @click.command()
 @config_option
-@db_option
+@read_db_option
 @click.option("--kind", default=None, help="Only this kind (nan, oom, comm_timeout, ...).")
 @click.option("--run", default=None, help=RUN_HELP)
 @click.option("--rank", type=int, default=None, help="Only events of this (global) rank.")
@@ -167,7 +207,7 @@ def show(
 @handle_errors
 def events(
     config_path: Path | None,
-    db: Path | None,
+    db: Path | str | None,
     kind: str | None,
     run: str | None,
     rank: int | None,
@@ -192,6 +232,20 @@ def events(
     from ..tables import events_table
 
     t0, t1 = check_filters(kind, limit, since, until)
+    if isinstance(db, str):
+        from . import _fleet_reads
+
+        found = _fleet_reads.events(
+            db, config_path, kind=kind, rank=rank, grep=_check_grep(grep), limit=limit
+        )
+        if as_json:
+            for e in found:
+                emit_json(e)
+        elif found:
+            click.echo(events_table(found, width=out_width(), color=out_color()))
+        else:
+            click.echo("No events.")
+        return
     store = open_reader(config_path, db, quiet=as_json)
     try:
         runs = match_runs(run, run_names(store))
@@ -238,10 +292,10 @@ def _check_grep(text: str | None) -> str | None:
 
 @click.command()
 @config_option
-@db_option
+@read_db_option
 @json_option
 @handle_errors
-def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
+def runs(config_path: Path | None, db: Path | str | None, as_json: bool) -> None:
     """List runs: one per training launch, with their start, end, status and facts.
 
     STATUS is `failing` while the run has an open incident, `resolved` when all of its
@@ -256,6 +310,18 @@ def runs(config_path: Path | None, db: Path | None, as_json: bool) -> None:
     from ..query import list_runs
     from ..tables import runs_table
 
+    if isinstance(db, str):
+        from . import _fleet_reads
+
+        fleet_runs = _fleet_reads.runs(db, config_path)
+        for r in fleet_runs:
+            if as_json:
+                emit_json(r)
+            else:
+                click.echo(f"{r['node']}  {r['name']}  job={r['job'] or '-'}  events={r['events']}")
+        if not fleet_runs and not as_json:
+            click.echo("No runs.")
+        return
     store = open_reader(config_path, db, quiet=as_json)
     try:
         rows = list_runs(store)

@@ -188,9 +188,7 @@ def _open_symptoms(work: Any) -> list[int]:
     from ..query import list_incidents
 
     return [
-        int(d["id"])
-        for d in list_incidents(work, open_only=True)
-        if d.get("kind") in SYMPTOM_KINDS
+        int(d["id"]) for d in list_incidents(work, open_only=True) if d.get("kind") in SYMPTOM_KINDS
     ]
 
 
