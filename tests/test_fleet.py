@@ -155,7 +155,10 @@ def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
     (inc,) = out["incidents"]
     assert inc["kind"] == "oom" and inc["origin"]["rank"] == OOM_RANK
     assert inc["origin"]["stage"] == "val"
-    assert f"{NODES * PER_NODE - 1} other ranks then timed out in HCCL" in inc["title"]
+    assert (
+        f"{NODES * PER_NODE - 1} other ranks on {NODES} nodes then timed out in HCCL"
+        in inc["title"]
+    )
     assert out["nodes"] == NODES
     # every node's own incident is evidence of the fleet incident, not an incident of its own
     members = pg_count(

@@ -57,7 +57,7 @@ def test_the_oom_on_node_a_absorbs_node_b_timeouts(
     assert inc["ranks"] == list(range(16))
     assert inc["nodes"] == ["node-a", "node-b"]
     assert (inc["job"], inc["cluster_run"]) == (RUN_ID, RUN)
-    assert "15 other ranks then timed out" in inc["title"]
+    assert "15 other ranks on 2 nodes then timed out" in inc["title"]
     # `show` across the fleet: every rank's event with its node
     story = json.loads(nanwatch("show", "1", "--json", "--db", str(fleet)).stdout)
     nodes = {t["rank"]: t["node"] for t in story["timeline"]}
@@ -108,7 +108,7 @@ def test_a_32_node_fleet_names_the_rank_that_ran_out_of_memory(
     assert inc["kind"] == "oom" and inc["event_count"] == 256
     assert inc["origin"]["rank"] == OOM_RANK and inc["origin"]["stage"] == "val"
     assert inc["title"].startswith(f"Out of memory on rank {OOM_RANK} in validation")
-    assert "255 other ranks then timed out in HCCL" in inc["title"]
+    assert "255 other ranks on 32 nodes then timed out in HCCL" in inc["title"]
     assert inc["detail"]["root_cause"].startswith(f"Rank {OOM_RANK} ran out of device memory")
     assert sorted(inc["detail"]["symptom_ranks"]) == [r for r in range(256) if r != OOM_RANK]
 

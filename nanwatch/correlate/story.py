@@ -37,6 +37,7 @@ class _Kind:
     backends: set[str] = field(default_factory=set)
     codes: set[str] = field(default_factory=set)
     remote: set[str] = field(default_factory=set)
+    nodes: set[str] = field(default_factory=set)
 
 
 def _composition(groups: list[KindGroup]) -> dict[str, _Kind]:
@@ -51,6 +52,7 @@ def _composition(groups: list[KindGroup]) -> dict[str, _Kind]:
         k.backends.update(g.backends)
         k.codes.update(g.codes)
         k.remote.update(g.remote)
+        k.nodes.update(g.nodes)
     return by_kind
 
 
@@ -171,9 +173,11 @@ def describe(
         sym_ranks: set[int] = set()
         sym_backends: set[str] = set()
         sym_codes: set[str] = set()
+        sym_nodes: set[str] = set()
         first_sym = None
         for v in symptoms.values():
             sym_ranks |= v.ranks
+            sym_nodes |= v.nodes
             sym_backends |= {b.upper() for b in v.backends}
             sym_codes |= v.codes
             if v.first and (first_sym is None or v.first < first_sym):
@@ -181,7 +185,12 @@ def describe(
         other = sorted(sym_ranks - ({rank} if rank is not None else set()))
         bk = "/".join(sorted(sym_backends)) or "collective"
         if other:
-            title += f"; {len(other)} other rank{'s' if len(other) != 1 else ''} then timed out"
+            title += f"; {len(other)} other rank{'s' if len(other) != 1 else ''}"
+            if len(sym_nodes) > 1:
+                # a fleet's story: how far the failure reached
+                title += f" on {len(sym_nodes)} nodes"
+                detail["symptom_nodes"] = len(sym_nodes)
+            title += " then timed out"
             title += f" in {bk}" if sym_backends else ""
         delay = _delay(origin.get("time"), first_sym)
         detail["root_cause"] = (

@@ -50,6 +50,7 @@ class KindGroup:
     backends: tuple[str, ...]
     codes: tuple[str, ...]
     remote: tuple[str, ...]
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +176,18 @@ class Events:
             "SELECT kind, rank, count(*), min(time), "
             "group_concat(DISTINCT json_extract(fields, '$.backend')), "
             "group_concat(DISTINCT json_extract(fields, '$.code')), "
-            "group_concat(DISTINCT json_extract(fields, '$.remote_rank')) "
+            "group_concat(DISTINCT json_extract(fields, '$.remote_rank')), "
+            "group_concat(DISTINCT node) "
             "FROM events WHERE incident_id = ? GROUP BY kind, rank",
             (incident_id,),
         ).fetchall()
         return [
-            KindGroup(kind, rank, int(n), t0, _split(backends), _split(codes), _split(remote))
-            for kind, rank, n, t0, backends, codes, remote in rows
-        ]
+            KindGroup(
+                kind, rank, int(n), t0, _split(backends), _split(codes), _split(remote),
+                _split(nodes),
+            )
+            for kind, rank, n, t0, backends, codes, remote, nodes in rows
+        ]  # fmt: skip
 
     def backends_and_codes(self, incident_id: int) -> list[tuple[str, JSON, JSON]]:
         """(kind, fields.backend, fields.code), distinct, over the incident's events."""
