@@ -410,3 +410,31 @@ def _pg_events(dsn: str) -> int:
         return pg_count(dsn, "SELECT count(*) FROM events")
     except psycopg.Error:
         return -1
+
+
+def test_the_fleet_notifies_once_with_the_root_and_holds_its_symptoms(
+    node_dbs: dict[str, Path], dsn: str, tmp_path: Path
+) -> None:
+    """Seven nodes' timeouts arrive first; the OOM's node forwards an hour late (a backlog).
+    Within [fleet] hold nothing about the timeouts goes out; once the root is in, Alertmanager
+    gets one alert, the OOM's, naming the root, and never one for the absorbed timeouts."""
+    from .am_server import Catcher
+
+    with Catcher() as am:
+        cfg = fleet_config(tmp_path, dsn, f'[alertmanager]\nurls = ["{am.url}"]\n')
+        cfg.write_text(cfg.read_text().replace("[fleet]\n", '[fleet]\nhold = "1h"\n'))
+        for node in node_dbs:
+            if node != "node-01":
+                forward_copy(node_dbs, node, tmp_path, dsn, now=1000.0)
+        first = json.loads(nanwatch("fleet", "--once", "--json", "--config", str(cfg)).stdout)
+        assert [i["kind"] for i in first["incidents"]] == ["comm_timeout"]
+        assert am.alerts() == []  # held: its root may still arrive
+        forward_copy(node_dbs, "node-01", tmp_path, dsn, now=1000.0)
+        second = json.loads(nanwatch("fleet", "--once", "--json", "--config", str(cfg)).stdout)
+        assert [i["kind"] for i in second["incidents"]] == ["oom"]
+        alerts = am.alerts()
+        assert {a["labels"]["kind"] for a in alerts} == {"oom"}
+        assert {a["labels"]["rank"] for a in alerts} == {str(OOM_RANK)}
+        # run again: nothing new to tell (re-sends are Alertmanager's repeat, not ours)
+        nanwatch("fleet", "--once", "--config", str(cfg))
+        assert {a["labels"]["kind"] for a in am.alerts()} == {"oom"}

@@ -96,7 +96,9 @@ def fleet(config_path: Path | None, as_json: bool, once: bool, interval: float) 
         fleet_store.close()
         return
     work = Store.open(state)
-    sinks = [_Held(s, config.fleet.hold) for s in _sinks(config, console=False, correlator=True)]
+    sinks = _sinks(config, console=False, correlator=True)
+    # the first message of a symptom waits [fleet] hold for its root (see SYMPTOM_KINDS)
+    held = Outbox(work, [_Held(s, config.fleet.hold) for s in sinks]) if sinks else None
     outbox = Outbox(work, sinks) if sinks else None
     sender = Sender(str(state), sinks) if sinks else None
     correlator = Correlator(
@@ -117,8 +119,13 @@ def fleet(config_path: Path | None, as_json: bool, once: bool, interval: float) 
                 touched |= set(_open_symptoms(work))
             last_silent = set(silent)
             _publish(fleet_store, work, sorted(touched), silent, now=now)
-            if outbox is not None and sender is not None:
-                outbox.enqueue(cycle.changes)
+            if outbox is not None and held is not None and sender is not None:
+                symptoms = set(_open_symptoms(work))
+                first = [
+                    c for c in cycle.changes if c.action == "open" and c.incident_id in symptoms
+                ]
+                held.enqueue(first)
+                outbox.enqueue([c for c in cycle.changes if c not in first])
                 with _reader(state) as reader:
                     sender.deliver_due(reader, now=now)
                 outbox.record(sender.drain_results())
