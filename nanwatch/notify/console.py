@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from ..render import origin_text, render_incident_line, render_story
+from ..store.records import OutboxRow
+from .outbox import Posted
 
 
 def _cause(incident: Mapping[str, Any]) -> str:
@@ -28,12 +30,15 @@ class ConsoleSink:
         return 0.0
 
     def deliver(
-        self, row: Mapping[str, Any], incident: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+        self,
+        row: OutboxRow,
+        incident: Mapping[str, Any],
+        absorbed: Sequence[OutboxRow] = (),
+    ) -> Posted | None:
         if not incident:
             return None
         iid = int(incident["id"])
-        action = row["action"]
+        action = row.action
         cause = _cause(incident)
         told = self._told.get(iid)
         if action == "open" or (told is not None and cause != told and action != "resolve"):

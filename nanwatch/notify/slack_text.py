@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..render import origin_text, ranks_text
+from ..store.records import OutboxRow
 
 # Block Kit limits (docs: reference/block-kit/blocks)
 HEADER_MAX = 150
@@ -257,11 +258,11 @@ def details_text(inc: Mapping[str, Any], *, first_line: str | None = None) -> st
     return clip("\n\n".join(parts), SECTION_MAX, more)
 
 
-def merged_news(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+def merged_news(rows: Iterable[OutboxRow]) -> list[str]:
     """The news strings of several outbox rows, in order, without repeats."""
     seen: dict[str, None] = {}
     for row in rows:
-        for item in (row.get("payload") or {}).get("news") or []:
+        for item in (row.payload or {}).get("news") or []:
             seen.setdefault(str(item), None)
     return list(seen)
 
