@@ -34,13 +34,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from ..errors import DeliveryError
 from ..events import format_utc, parse_utc
 from ..render import ranks_text
 from ..store.outbox import OutboxStore
-from ..store.records import MessageRef, OutboxRow
+from ..store.records import JSON, MessageRef, OutboxRow
 from .outbox import Posted
 from .view import load_incident
 
@@ -113,7 +112,7 @@ def _loopback(host: str | None) -> bool:
         return False
 
 
-def labels_of(inc: Mapping[str, Any], *, node: str | None = None) -> dict[str, str]:
+def labels_of(inc: Mapping[str, JSON], *, node: str | None = None) -> dict[str, str]:
     """The label set of an incident's alert (every value a string: Alertmanager's model)."""
     origin = inc.get("origin") or {}
     detail = inc.get("detail") or {}
@@ -138,7 +137,7 @@ def labels_of(inc: Mapping[str, Any], *, node: str | None = None) -> dict[str, s
     }
 
 
-def annotations_of(inc: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, str]:
+def annotations_of(inc: Mapping[str, JSON], labels: Mapping[str, str]) -> dict[str, str]:
     detail = inc.get("detail") or {}
     out = {
         "summary": str(inc.get("title") or inc.get("kind")),
@@ -186,7 +185,7 @@ class AlertmanagerSink:
     def delay(self, action: str) -> float:
         return 0.0  # no group_wait: Alertmanager groups by itself
 
-    def load(self, db: OutboxStore, incident_id: int) -> dict[str, Any] | None:
+    def load(self, db: OutboxStore, incident_id: int) -> dict[str, JSON] | None:
         inc = load_incident(db, incident_id)
         if inc is None:
             return None
@@ -198,7 +197,7 @@ class AlertmanagerSink:
     def deliver(
         self,
         row: OutboxRow,
-        incident: Mapping[str, Any],
+        incident: Mapping[str, JSON],
         absorbed: Sequence[OutboxRow] = (),
     ) -> Posted | None:
         if not incident:
@@ -207,7 +206,7 @@ class AlertmanagerSink:
         sent = incident.get("_sent")
         now = self.clock()
         start = _ts(incident.get("created_at")) or now
-        alerts: list[dict[str, Any]] = []
+        alerts: list[dict[str, JSON]] = []
         if sent and sent != labels:
             # the incident's job or run became known (or changed): end the old alert
             alerts.append({"labels": sent, "startsAt": _rfc(start), "endsAt": _rfc(now)})
@@ -228,7 +227,7 @@ class AlertmanagerSink:
         self.post(alerts)
         return Posted(MessageRef(self.name, json.dumps(labels, sort_keys=True)))
 
-    def post(self, alerts: list[dict[str, Any]]) -> None:
+    def post(self, alerts: list[dict[str, JSON]]) -> None:
         """POST to every Alertmanager; done when one took it (see the module docstring)."""
         body = json.dumps(alerts).encode()
         errors: list[str] = []
@@ -260,7 +259,7 @@ class AlertmanagerSink:
         )
 
 
-def _ts(text: Any) -> float | None:
+def _ts(text: JSON) -> float | None:
     if not text:
         return None
     try:

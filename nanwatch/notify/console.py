@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..render import origin_text, render_incident_line, render_story
-from ..store.records import OutboxRow
+from ..store.records import JSON, OutboxRow
 from .outbox import Posted
 
 
-def _cause(incident: Mapping[str, Any]) -> str:
+def _cause(incident: Mapping[str, JSON]) -> str:
     """What a reader takes away as the root cause: where it started (a cause that only grows,
     other ranks timing out after it, is an update, not a correction)."""
     return origin_text(incident.get("origin") or {})
@@ -32,7 +32,7 @@ class ConsoleSink:
     def deliver(
         self,
         row: OutboxRow,
-        incident: Mapping[str, Any],
+        incident: Mapping[str, JSON],
         absorbed: Sequence[OutboxRow] = (),
     ) -> Posted | None:
         if not incident:

@@ -37,14 +37,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..correlate import Change
 from ..errors import DeliveryError
 from ..events import format_utc
 from ..store.db import Store
 from ..store.outbox import SILENCED, OutboxStore
-from ..store.records import MessageRef, OutboxRow, Outcome, Queued
+from ..store.records import JSON, MessageRef, OutboxRow, Outcome, Queued
 from .view import load_incident
 
 __all__ = [
@@ -87,7 +87,7 @@ class Sink(Protocol):
     def deliver(
         self,
         row: OutboxRow,
-        incident: Mapping[str, Any],
+        incident: Mapping[str, JSON],
         absorbed: Sequence[OutboxRow] = (),
     ) -> Posted | None:
         """Deliver one outbox row (and the ``absorbed`` ones merged into it)."""
@@ -266,7 +266,7 @@ class Sender:
         sink: Sink,
         row: OutboxRow,
         absorbed: Sequence[OutboxRow],
-        incident: Mapping[str, Any],
+        incident: Mapping[str, JSON],
         now: float,
     ) -> None:
         rid, iid = row.id, row.incident_id

@@ -8,12 +8,11 @@ never announced).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from ..events import format_utc
 from ..store.db import Store
 from ..store.outbox import OutboxStore
-from ..store.records import Silence
+from ..store.records import JSON, Silence
 
 
 def add_silence(
@@ -24,7 +23,7 @@ def add_silence(
     seconds: float,
     comment: str | None = None,
     now: float | None = None,
-) -> dict[str, Any]:
+) -> dict[str, JSON]:
     now = time.time() if now is None else now
     s = OutboxStore(store).add_silence(
         run=run, kind=kind, until=now + seconds, created_at=format_utc(now), comment=comment
@@ -32,7 +31,7 @@ def add_silence(
     return silence_dict(s, now)
 
 
-def silence_dict(s: Silence, now: float) -> dict[str, Any]:
+def silence_dict(s: Silence, now: float) -> dict[str, JSON]:
     """A silence as ``nanwatch silences --json`` prints it (``active`` at ``now``)."""
     return {
         "id": s.id,
@@ -48,7 +47,7 @@ def silence_dict(s: Silence, now: float) -> dict[str, Any]:
 
 def list_silences(
     store: Store, *, include_expired: bool = False, now: float | None = None
-) -> list[dict[str, Any]]:
+) -> list[dict[str, JSON]]:
     now = time.time() if now is None else now
     found = OutboxStore(store).silences(active_at=None if include_expired else now)
     return [silence_dict(s, now) for s in found]

@@ -31,7 +31,7 @@ from ..config import AlertsConfig
 from ..errors import DeliveryError
 from ..events import parse_utc
 from ..store.outbox import OutboxStore
-from ..store.records import Message, MessageRef, OutboxRow
+from ..store.records import JSON, Message, MessageRef, OutboxRow
 from .outbox import Deferred, Posted
 from .slack_api import (
     BAD_MESSAGE,
@@ -143,7 +143,7 @@ class SlackSink:
         # updates wait for group_interval since the last message (see deliver), not a fixed delay
         return self.alerts.group_wait if action == "open" else 0.0
 
-    def route(self, incident: Mapping[str, Any]) -> str:
+    def route(self, incident: Mapping[str, JSON]) -> str:
         for r in self.settings.routes:
             if r.get("kinds") and incident.get("kind") not in r["kinds"]:
                 continue
@@ -157,7 +157,7 @@ class SlackSink:
 
     # -- reading (sender thread, read-only connection) -------------------------------------------
 
-    def load(self, db: OutboxStore, incident_id: int) -> dict[str, Any] | None:
+    def load(self, db: OutboxStore, incident_id: int) -> dict[str, JSON] | None:
         got = db.incident(incident_id)
         if got is None:
             return None
@@ -232,7 +232,7 @@ class SlackSink:
     def deliver(
         self,
         row: OutboxRow,
-        incident: Mapping[str, Any],
+        incident: Mapping[str, JSON],
         absorbed: Sequence[OutboxRow] = (),
     ) -> Posted | None:
         if not incident or row.incident_id is None:
@@ -279,13 +279,13 @@ class SlackSink:
             self._last_sent[iid] = self.clock()
         return posted
 
-    def _message(self, inc: Mapping[str, Any]) -> MessageRef | Message | None:
+    def _message(self, inc: Mapping[str, JSON]) -> MessageRef | Message | None:
         """The incident's parent message: posted by this process, or stored in ``messages``."""
         mine = self._posted.get(int(inc["id"]))
         stored: Message | None = inc.get("_message")
         return mine or stored
 
-    def _announce(self, inc: Mapping[str, Any], *, due: float = 0.0) -> Posted:
+    def _announce(self, inc: Mapping[str, JSON], *, due: float = 0.0) -> Posted:
         iid = int(inc["id"])
         text = headline(inc)
         blocks = parent_blocks(inc, first_line=inc.get("_first_line"))
@@ -316,7 +316,7 @@ class SlackSink:
         self._last_sent[iid] = self.clock()
         return Posted(message, ("details", "plot") if self.plots else ("details",))
 
-    def _details(self, inc: Mapping[str, Any]) -> Posted | None:
+    def _details(self, inc: Mapping[str, JSON]) -> Posted | None:
         """The rest of the story (origin, first log line, every known cause) in the thread."""
         text = details_text(inc, first_line=inc.get("_first_line"))
         message = self._message(inc)
@@ -326,7 +326,7 @@ class SlackSink:
         return None
 
     def _posted_before(
-        self, channel: str, inc: Mapping[str, Any], due: float
+        self, channel: str, inc: Mapping[str, JSON], due: float
     ) -> tuple[str, str] | None:
         """(channel ID, ts) of this incident's parent message if a previous process posted it
         (``conversations.history``, by the message's metadata), else None."""
@@ -377,7 +377,7 @@ class SlackSink:
 
     def _edit(
         self,
-        inc: Mapping[str, Any],
+        inc: Mapping[str, JSON],
         message: MessageRef | Message,
         news: list[str],
         actions: set[str],
@@ -419,7 +419,7 @@ class SlackSink:
             return self._call(channel, "chat.postMessage", self.client.chat_postMessage, **kwargs)
 
     def _webhook_follow_up(
-        self, inc: Mapping[str, Any], news: list[str], actions: set[str]
+        self, inc: Mapping[str, JSON], news: list[str], actions: set[str]
     ) -> Posted | None:
         text = follow_up(inc, news, actions, standalone=True)
         if text is None:
@@ -502,7 +502,7 @@ class SlackSink:
             return self._send_webhook(text, None)
         raise DeliveryError(f"webhook: HTTP {status} {body}", permanent=True)
 
-    def _attach_plot(self, inc: Mapping[str, Any]) -> Posted | None:
+    def _attach_plot(self, inc: Mapping[str, JSON]) -> Posted | None:
         """The incident's plot in its thread (files_upload_v2: get URL, upload, complete)."""
         message = self._message(inc)
         rows = inc.get("_plot_rows")
@@ -529,7 +529,7 @@ class SlackSink:
         return None
 
 
-def _plot_rows(db: OutboxStore, inc: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _plot_rows(db: OutboxStore, inc: Mapping[str, JSON]) -> list[dict[str, JSON]]:
     """The metric rows of the incident's plot (the plot module reads them on a connection)."""
     from .plot import metrics_for
 

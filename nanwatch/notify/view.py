@@ -6,13 +6,11 @@ ARCHITECTURE.md built from them, key for key what ``nanwatch show --json`` print
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..store.outbox import OutboxStore
-from ..store.records import Incident, Run
+from ..store.records import JSON, Incident, Run
 
 
-def incident_view(inc: Incident, run: Run | None) -> dict[str, Any]:
+def incident_view(inc: Incident, run: Run | None) -> dict[str, JSON]:
     """The incident's JSON form (a mapping of JSON values: what renderers format)."""
     detail = dict(inc.detail)
     node = run.node if run else None
@@ -52,7 +50,7 @@ def incident_view(inc: Incident, run: Run | None) -> dict[str, Any]:
     }
 
 
-def load_incident(db: OutboxStore, incident_id: int) -> dict[str, Any] | None:
+def load_incident(db: OutboxStore, incident_id: int) -> dict[str, JSON] | None:
     """The incident's JSON form read from the store (None: it is gone)."""
     got = db.incident(incident_id)
     return None if got is None else incident_view(*got)
