@@ -18,7 +18,8 @@ import pytest
 from nanwatch.config import parse_config
 from nanwatch.errors import ConfigError, DeliveryError
 from nanwatch.events import parse_utc
-from nanwatch.notify.alertmanager import AlertmanagerSink, api_url, redact
+from nanwatch.notify.alertmanager import RESEND, AlertmanagerSink, api_url, redact
+from nanwatch.notify.outbox import Sender
 from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
 
@@ -51,6 +52,18 @@ class Node:
     def step(self) -> None:
         self.pipe.step()
         assert self.pipe.deliver_all(deadline=20) == 0
+
+    def deliver_at(self, now: float) -> None:
+        """One delivery pass with the clock at ``now``: what is due then goes out."""
+        assert self.pipe.outbox is not None
+        sender = Sender(str(self.store.path), [self.sink], clock=lambda: now)
+        reader = Store.open(self.store.path, readonly=True)
+        try:
+            assert sender.deliver_due(reader) >= 1
+        finally:
+            reader.close()
+        self.pipe.outbox.record(sender.drain_results())
+        assert self.pipe.outbox.pending() == 0
 
     def close(self) -> None:
         self.pipe.tracker.close()
@@ -119,10 +132,9 @@ def test_open_alerts_are_re_sent_and_resolution_ends_them(
     outbox = a.pipe.outbox
     assert outbox is not None
     assert outbox.enqueue_reminders() == 0  # just sent
-    a.sink.repeat_interval = 0.3  # RESEND, shortened
-    time.sleep(0.4)
-    assert outbox.enqueue_reminders() == 1
-    assert a.pipe.deliver_all(deadline=20) == 0
+    later = time.time() + RESEND + 1
+    assert outbox.enqueue_reminders(now=later) == 1
+    a.deliver_at(later)
     first, again = am.alerts()
     assert again["labels"] == first["labels"]
     assert parse_utc(again["endsAt"]) > time.time() + 200  # still firing
@@ -134,8 +146,7 @@ def test_open_alerts_are_re_sent_and_resolution_ends_them(
     resolved = a.store.conn.execute("SELECT resolved_at FROM incidents").fetchone()[0]
     assert last["endsAt"] == resolved
     assert parse_utc(last["endsAt"]) <= time.time()
-    time.sleep(0.4)
-    assert outbox.enqueue_reminders() == 0  # nothing open to re-send
+    assert outbox.enqueue_reminders(now=time.time() + RESEND + 1) == 0  # nothing open
 
 
 def test_a_scan_never_ends_an_alert(am: Catcher, nodes: dict[str, Path], tmp_path: Path) -> None:
@@ -186,10 +197,9 @@ def test_labels_that_change_end_the_old_alert(
         f.write("SLURM_JOB_ID=4261046\n")
     a.step()  # identity refreshed; the incident itself did not change
     assert a.pipe.outbox is not None
-    a.sink.repeat_interval = 0.3
-    time.sleep(0.4)
-    assert a.pipe.outbox.enqueue_reminders() == 1  # the next re-send
-    assert a.pipe.deliver_all(deadline=20) == 0
+    later = time.time() + RESEND + 1
+    assert a.pipe.outbox.enqueue_reminders(now=later) == 1  # the next re-send
+    a.deliver_at(later)
     old, new = am.alerts()[1:]
     assert old["labels"] == first["labels"] and parse_utc(old["endsAt"]) <= time.time()
     assert new["labels"]["job"] == "4261046"

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from nanwatch.cli import cli
 from nanwatch.cli.demo import replay
 from nanwatch.notify.console import ConsoleSink
+from nanwatch.store.records import OutboxRow
 
 
 def test_the_replay_tells_the_same_story_five_times(tmp_path: Path) -> None:
@@ -63,13 +64,17 @@ def _incident(rank: int, events: int) -> dict[str, Any]:
     }
 
 
+def _row(action: str) -> OutboxRow:
+    return OutboxRow(1, 2, "console", action, {}, f"console:2:{action}", "", 0.0, 0, None, None)
+
+
 def test_a_corrected_root_cause_is_told_in_full() -> None:
     out = io.StringIO()
     sink = ConsoleSink(out, color=False)
-    sink.deliver({"action": "open"}, _incident(0, 8))
-    sink.deliver({"action": "update"}, _incident(0, 9))
-    sink.deliver({"action": "update"}, _incident(0, 9))  # nothing new: not printed again
-    sink.deliver({"action": "update"}, _incident(6, 12))
+    sink.deliver(_row("open"), _incident(0, 8))
+    sink.deliver(_row("update"), _incident(0, 9))
+    sink.deliver(_row("update"), _incident(0, 9))  # nothing new: not printed again
+    sink.deliver(_row("update"), _incident(6, 12))
     lines = out.getvalue().splitlines()
     assert sum(x.startswith("[update] #2") for x in lines) == 1
     at = next(i for i, x in enumerate(lines) if x.startswith("[corrected] #2"))

@@ -12,6 +12,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,8 +47,26 @@ def slack() -> Iterator[SlackServer]:
         yield srv
 
 
+class Clock:
+    """The wall clock, moved ahead by hand: what would take a wait takes ``advance``."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.ahead
+
+    def advance(self, seconds: float) -> None:
+        self.ahead += seconds
+
+
 def sink_for(
-    srv: SlackServer, *, webhook: bool = False, plots: bool = False, **alerts: float
+    srv: SlackServer,
+    *,
+    webhook: bool = False,
+    plots: bool = False,
+    clock: Clock | None = None,
+    **alerts: float,
 ) -> SlackSink:
     timers = {"group_wait": 0.0, "group_interval": 0.3, "repeat_interval": 0.0, **alerts}
     settings = (
@@ -55,13 +74,18 @@ def sink_for(
         if webhook
         else SlackSettings(channel="#alerts", base_url=srv.base_url, token=TOKEN)
     )
-    return SlackSink(settings, AlertsConfig(**timers), pace=0.05, plots=plots)
+    return SlackSink(
+        settings, AlertsConfig(**timers), pace=0.05, plots=plots, clock=clock or time.time
+    )
 
 
 class Rig:
-    """A live pipeline on a log folder, stepped by hand, with a sender pumped by hand."""
+    """A live pipeline on a log folder, stepped by hand, with a sender pumped by hand; the
+    outbox, the sender and the sink share one clock."""
 
-    def __init__(self, tmp: Path, sink: SlackSink, *, live: bool = True) -> None:
+    def __init__(
+        self, tmp: Path, sink: SlackSink, *, live: bool = True, clock: Clock | None = None
+    ) -> None:
         self.logs = tmp / "logs"
         self.logs.mkdir(exist_ok=True)
         self.db = tmp / "nw.db"
@@ -69,7 +93,10 @@ class Rig:
         self.pipe = Pipeline(
             Config(), self.store, [str(self.logs)], run="job", live=live, sinks=[sink]
         )
-        self.sender = Sender(str(self.db), [sink])
+        self.clock = clock or Clock()
+        assert self.pipe.outbox is not None
+        self.pipe.outbox.clock = self.clock
+        self.sender = Sender(str(self.db), [sink], clock=self.clock)
         self.reader = Store.open(self.db, readonly=True)
         self.lines: dict[int, int] = {}
 
@@ -116,7 +143,7 @@ class Rig:
 def rig_factory(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(sink: SlackSink, **kw: bool) -> Rig:
+    def make(sink: SlackSink, **kw: Any) -> Rig:
         rigs.append(Rig(tmp_path, sink, **kw))
         return rigs[-1]
 
@@ -515,14 +542,17 @@ def test_without_history_access_a_restart_posts_again_and_says_why(
 
 
 def test_reminders_for_open_incidents(slack: SlackServer, rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory(sink_for(slack, repeat_interval=0.5))
+    clock = Clock()
+    rig = rig_factory(sink_for(slack, repeat_interval=3600, clock=clock), clock=clock)
     rig.nan(0)
     rig.step()
     rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
     (parent,) = slack.parents()
     assert rig.pipe.outbox is not None
     assert rig.pipe.outbox.enqueue_reminders() == 0  # just told
-    time.sleep(0.6)
+    clock.advance(3599)
+    assert rig.pipe.outbox.enqueue_reminders() == 0
+    clock.advance(2)
     assert rig.pipe.outbox.enqueue_reminders() == 1
     assert rig.pipe.outbox.enqueue_reminders() == 0  # one at a time
     rig.pump(lambda: bool(slack.replies(parent.ts)))
@@ -532,13 +562,15 @@ def test_reminders_for_open_incidents(slack: SlackServer, rig_factory: Callable[
 def test_silence_holds_messages_until_it_ends(
     slack: SlackServer, rig_factory: Callable[..., Rig]
 ) -> None:
-    rig = rig_factory(sink_for(slack))
-    add_silence(rig.store, run="job", kind=None, seconds=0.8, comment="known")
-    add_silence(rig.store, run="other", kind=None, seconds=3600)
+    clock = Clock()
+    rig = rig_factory(sink_for(slack, clock=clock), clock=clock)
+    add_silence(rig.store, run="job", kind=None, seconds=1800, comment="known", now=clock())
+    add_silence(rig.store, run="other", kind=None, seconds=3600, now=clock())
     rig.nan(0)
     rig.step()
     rig.pump(lambda: str(rig.outbox()[0][2]).startswith("silenced"))
-    assert slack.parents() == []
+    assert slack.parents() == [] and rig.pending() == 1
+    clock.advance(1801)  # the silence is over
     rig.pump(lambda: len(slack.parents()) == 1 and rig.pending() == 0)
     assert len(slack.details(slack.parents()[0].ts)) == 1
 

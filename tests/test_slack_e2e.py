@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import sqlite3
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from nanwatch.simulate import TrainingRun
 
 from .conftest import NANWATCH, nanwatch, wait_for
 from .slack_server import TOKEN, SlackServer
+from .test_daemon import NotifySocket
 from .test_sources import nan_line
 
 pytestmark = pytest.mark.slow
@@ -51,22 +54,54 @@ def config(tmp: Path, srv: SlackServer, **alerts: str) -> Path:
 
 
 class Watch:
+    """`nanwatch watch` as a service: ``ready()`` returns once it has caught up with its files
+    (systemd's READY=1 on a notify socket of the test's own)."""
+
     def __init__(self, cfg: Path, db: Path, path: Path, log: Path) -> None:
+        self.notify = NotifySocket(f"@nanwatch-test-{uuid.uuid4().hex}")
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        env["NOTIFY_SOCKET"] = self.notify.address
         out = log.open("ab")
         try:
             self.proc = subprocess.Popen(
                 [*NANWATCH, "watch", "--quiet", "--config", str(cfg), "--db", str(db), str(path)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env=env,
             )
         finally:
             out.close()
         self.log = log
 
+    def ready(self) -> None:
+        self.notify.wait("READY", "1", timeout=60)
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(30)
+        self.notify.close()
         assert code == 0, self.log.read_text()
+
+
+def read_up_to(db: Path, log: Path) -> bool:
+    """Whether the store's offset for ``log`` is at its end, and every event is in an incident
+    (what was written has been read, correlated and queued)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        (offset,) = conn.execute(
+            "SELECT coalesce(max(offset), -1) FROM sources WHERE path LIKE ?", (f"%/{log.name}",)
+        ).fetchone()
+        (loose,) = conn.execute("SELECT count(*) FROM events WHERE incident_id IS NULL").fetchone()
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
+    return bool(offset == log.stat().st_size and loose == 0)
+
+
+def delivered(db: Path) -> bool:
+    rows = outbox(db)
+    return bool(rows) and all(r[3] for r in rows)
 
 
 def outbox(db: Path) -> list[tuple[int, str, int, str | None, str | None]]:
@@ -104,17 +139,16 @@ def test_watch_nan_storm_one_parent_429_token_escaped(slack: SlackServer, tmp_pa
     db = tmp_path / "nw.db"
     watch = Watch(config(tmp_path, slack), db, logs, tmp_path / "watch.out")
     try:
-        time.sleep(0.5)  # let it settle on the healthy lines first
-        with log.open("a", encoding="utf-8") as f:  # 16 NaN lines in 3 seconds
-            for i in range(6, 22):
-                f.write(nan_line(i).rstrip("\n") + MENTIONS + "\n")
+        watch.ready()  # it has settled on the healthy lines
+        with log.open("a", encoding="utf-8") as f:  # 16 NaN lines, read in 4 bursts
+            for burst in range(4):
+                for i in range(6 + 4 * burst, 10 + 4 * burst):
+                    f.write(nan_line(i).rstrip("\n") + MENTIONS + "\n")
                 f.flush()
-                time.sleep(3 / 16)
+                wait_for(lambda: read_up_to(db, log), what=f"burst {burst} read")
         wait_for(lambda: len(slack.parents()) == 1, timeout=30, what="the parent message")
-        wait_for(
-            lambda: outbox(db) and all(r[3] for r in outbox(db)), timeout=30, what="empty outbox"
-        )
-        time.sleep(2.5)  # one more group_interval: nothing else should come
+        # every line read and every change delivered: nothing is left that could be sent
+        wait_for(lambda: read_up_to(db, log) and delivered(db), timeout=30, what="empty outbox")
     finally:
         watch.stop()
     assert len(slack.parents()) == 1
@@ -185,15 +219,14 @@ def test_outage_and_restart_deliver_every_message_exactly_once(
         )
         watch.stop()  # nanwatch restarts while Slack is still down
         watch = Watch(cfg, db, wd, out)
-        time.sleep(1.0)
+        watch.ready()
         slack.start()  # Slack is back, on the same address
         wait_for(
             lambda: len(slack.parents()) == 2 and bool(slack.replies(parent_a.ts)),
             timeout=60,
             what="the held messages",
         )
-        wait_for(lambda: all(r[3] for r in outbox(db)), timeout=30, what="an empty outbox")
-        time.sleep(1.5)
+        wait_for(lambda: delivered(db), timeout=30, what="an empty outbox")
     finally:
         watch.stop()
     parents = slack.parents()

@@ -152,7 +152,7 @@ def silences(config_path: Path | None, db: Path | None, show_all: bool, as_json:
 
     store = open_reader(config_path, db, quiet=as_json)
     try:
-        rows = list_silences(store.conn, include_expired=show_all)
+        rows = list_silences(store, include_expired=show_all)
     finally:
         store.close()
     if as_json:
@@ -208,11 +208,12 @@ def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: i
       nanwatch plot 3 -o /tmp/nan.png --db /var/lib/nanwatch/nanwatch.db
     """
     from ..notify.plot import metrics_for, render_png
-    from ..query import incident_dict
+    from ..notify.view import load_incident
+    from ..store.outbox import OutboxStore
 
     store = open_reader(config_path, db)
     try:
-        inc = incident_dict(store.conn, incident_id)
+        inc = load_incident(OutboxStore(store), incident_id)
         if inc is None:
             raise NanwatchError(
                 f"no incident {incident_id} in {store.path}; see `nanwatch incidents`"

@@ -18,8 +18,9 @@ def _run(
     as_json: bool,
 ) -> None:
     from ..notify import triage
-    from ..query import incident_dict
+    from ..notify.view import load_incident
     from ..store import Store
+    from ..store.outbox import OutboxStore
 
     _, path, _origin = find_db(config_path, db)
     if not path.exists():
@@ -28,7 +29,7 @@ def _run(
     try:
         fn = triage.acknowledge if action == "ack" else triage.resolve
         news = fn(store, incident_id, by=triage.who(), note=note)
-        inc = incident_dict(store.conn, incident_id)
+        inc = load_incident(OutboxStore(store), incident_id)
     finally:
         store.close()
     if as_json:

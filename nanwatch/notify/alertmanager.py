@@ -29,18 +29,19 @@ import base64
 import ipaddress
 import json
 import logging
-import sqlite3
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import DeliveryError
 from ..events import format_utc, parse_utc
-from ..query import incident_dict
 from ..render import ranks_text
+from ..store.outbox import OutboxStore
+from ..store.records import JSON, MessageRef, OutboxRow
+from .outbox import Posted
+from .view import load_incident
 
 log = logging.getLogger("nanwatch.notify.alertmanager")
 
@@ -111,7 +112,7 @@ def _loopback(host: str | None) -> bool:
         return False
 
 
-def labels_of(inc: Mapping[str, Any], *, node: str | None = None) -> dict[str, str]:
+def labels_of(inc: Mapping[str, JSON], *, node: str | None = None) -> dict[str, str]:
     """The label set of an incident's alert (every value a string: Alertmanager's model)."""
     origin = inc.get("origin") or {}
     detail = inc.get("detail") or {}
@@ -136,7 +137,7 @@ def labels_of(inc: Mapping[str, Any], *, node: str | None = None) -> dict[str, s
     }
 
 
-def annotations_of(inc: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, str]:
+def annotations_of(inc: Mapping[str, JSON], labels: Mapping[str, str]) -> dict[str, str]:
     detail = inc.get("detail") or {}
     out = {
         "summary": str(inc.get("title") or inc.get("kind")),
@@ -173,35 +174,39 @@ class AlertmanagerSink:
         node: str | None = None,
         timeout: float = 5.0,
         lifetime: float = LIFETIME,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.urls = [api_url(u) for u in urls]
         self.node = node
         self.timeout = timeout
         self.lifetime = lifetime
+        self.clock = clock
 
     def delay(self, action: str) -> float:
         return 0.0  # no group_wait: Alertmanager groups by itself
 
-    def load(self, conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
-        inc = incident_dict(conn, incident_id)
+    def load(self, db: OutboxStore, incident_id: int) -> dict[str, JSON] | None:
+        inc = load_incident(db, incident_id)
         if inc is None:
             return None
-        row = conn.execute(
-            "SELECT ts FROM messages WHERE incident_id = ? AND sink = ?", (incident_id, self.name)
-        ).fetchone()
-        inc["_sent"] = json.loads(row[0]) if row and row[0] else None
+        # the labels it was last sent under are kept as the message's "ts"
+        message = db.message(incident_id, self.name)
+        inc["_sent"] = json.loads(message.ts) if message and message.ts else None
         return inc
 
     def deliver(
-        self, row: Mapping[str, Any], incident: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+        self,
+        row: OutboxRow,
+        incident: Mapping[str, JSON],
+        absorbed: Sequence[OutboxRow] = (),
+    ) -> Posted | None:
         if not incident:
             return None  # removed by retention meanwhile
         labels = labels_of(incident, node=self.node)
         sent = incident.get("_sent")
-        now = time.time()
+        now = self.clock()
         start = _ts(incident.get("created_at")) or now
-        alerts: list[dict[str, Any]] = []
+        alerts: list[dict[str, JSON]] = []
         if sent and sent != labels:
             # the incident's job or run became known (or changed): end the old alert
             alerts.append({"labels": sent, "startsAt": _rfc(start), "endsAt": _rfc(now)})
@@ -220,9 +225,9 @@ class AlertmanagerSink:
             }
         )
         self.post(alerts)
-        return {"message": {"channel": self.name, "ts": json.dumps(labels, sort_keys=True)}}
+        return Posted(MessageRef(self.name, json.dumps(labels, sort_keys=True)))
 
-    def post(self, alerts: list[dict[str, Any]]) -> None:
+    def post(self, alerts: list[dict[str, JSON]]) -> None:
         """POST to every Alertmanager; done when one took it (see the module docstring)."""
         body = json.dumps(alerts).encode()
         errors: list[str] = []
@@ -254,7 +259,7 @@ class AlertmanagerSink:
         )
 
 
-def _ts(text: Any) -> float | None:
+def _ts(text: JSON) -> float | None:
     if not text:
         return None
     try:

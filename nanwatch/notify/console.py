@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from typing import Any, TextIO
+from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 from ..render import origin_text, render_incident_line, render_story
+from ..store.records import JSON, OutboxRow
+from .outbox import Posted
 
 
-def _cause(incident: Mapping[str, Any]) -> str:
+def _cause(incident: Mapping[str, JSON]) -> str:
     """What a reader takes away as the root cause: where it started (a cause that only grows,
     other ranks timing out after it, is an update, not a correction)."""
     return origin_text(incident.get("origin") or {})
@@ -28,12 +30,15 @@ class ConsoleSink:
         return 0.0
 
     def deliver(
-        self, row: Mapping[str, Any], incident: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+        self,
+        row: OutboxRow,
+        incident: Mapping[str, JSON],
+        absorbed: Sequence[OutboxRow] = (),
+    ) -> Posted | None:
         if not incident:
             return None
         iid = int(incident["id"])
-        action = row["action"]
+        action = row.action
         cause = _cause(incident)
         told = self._told.get(iid)
         if action == "open" or (told is not None and cause != told and action != "resolve"):

@@ -22,17 +22,17 @@ import fnmatch
 import http.client
 import logging
 import os
-import sqlite3
 import time
 import urllib.error
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..config import AlertsConfig
 from ..errors import DeliveryError
 from ..events import parse_utc
-from ..query import incident_dict
-from .outbox import Deferred
+from ..store.outbox import OutboxStore
+from ..store.records import JSON, Message, MessageRef, OutboxRow
+from .outbox import Deferred, Posted
 from .slack_api import (
     BAD_MESSAGE,
     CHANNEL_ID,
@@ -45,6 +45,7 @@ from .slack_api import (
     slack_settings,
 )
 from .slack_text import details_text, follow_up, headline, merged_news, parent_blocks
+from .view import incident_view
 
 __all__ = ["PACE", "SlackSettings", "SlackSink", "slack_settings"]
 
@@ -85,6 +86,9 @@ class SlackSink:
         pace: float = PACE,
         plots: bool = True,
         config_path: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         from slack_sdk import WebClient
         from slack_sdk.webhook import WebhookClient
@@ -94,6 +98,11 @@ class SlackSink:
         self.repeat_interval = self.alerts.repeat_interval
         self.pace = pace
         self.plots = plots
+        # wall time (group_wait/interval, Retry-After as a due time); the per-channel budget
+        # runs on `monotonic` and waits with `sleep`
+        self.clock = clock
+        self.monotonic = monotonic
+        self.sleep = sleep
         # `nanwatch show N` in a message finds the service's config by itself; another config
         # is named in the command
         where = os.fspath(config_path) if config_path else None
@@ -116,7 +125,7 @@ class SlackSink:
                 logger=QUIET,
             )
         # what this process posted, until the writer has stored it in `messages`
-        self._posted: dict[int, Mapping[str, Any]] = {}
+        self._posted: dict[int, MessageRef] = {}
         self._last_sent: dict[int, float] = {}
         self._next_call: dict[str, float] = {}
         self._blocked: dict[str, float] = {}
@@ -124,7 +133,7 @@ class SlackSink:
         self._lines: dict[int, str | None] = {}
         # a first message due before this process started may have been posted by the previous
         # one, killed before it stored the message's ts: it is looked for before posting again
-        self.started = time.time()
+        self.started = clock()
         self._uid: str | None = None
         self._history_warned = False
 
@@ -134,7 +143,7 @@ class SlackSink:
         # updates wait for group_interval since the last message (see deliver), not a fixed delay
         return self.alerts.group_wait if action == "open" else 0.0
 
-    def route(self, incident: Mapping[str, Any]) -> str:
+    def route(self, incident: Mapping[str, JSON]) -> str:
         for r in self.settings.routes:
             if r.get("kinds") and incident.get("kind") not in r["kinds"]:
                 continue
@@ -148,90 +157,61 @@ class SlackSink:
 
     # -- reading (sender thread, read-only connection) -------------------------------------------
 
-    def load(self, conn: sqlite3.Connection, incident_id: int) -> dict[str, Any] | None:
-        inc = incident_dict(conn, incident_id)
-        if inc is None:
+    def load(self, db: OutboxStore, incident_id: int) -> dict[str, JSON] | None:
+        got = db.incident(incident_id)
+        if got is None:
             return None
-        row = conn.execute(
-            "SELECT channel, ts, updated_at FROM messages WHERE incident_id=? AND sink=?",
-            (incident_id, self.name),
-        ).fetchone()
-        inc["_message"] = {"channel": row[0], "ts": row[1], "updated_at": row[2]} if row else None
-        root = conn.execute(
-            "SELECT root_event_id FROM incidents WHERE id=?", (incident_id,)
-        ).fetchone()
-        inc["_first_line"] = self._first_line(conn, root[0] if root else None)
-        inc["_root_where"] = self._where(conn, root[0] if root else None)
+        record, run = got
+        inc = incident_view(record, run)
+        message = db.message(incident_id, self.name)
+        inc["_message"] = message
+        inc["_first_line"] = self._first_line(db, record.root_event_id)
+        inc["_root_where"] = self._where(db, record.root_event_id)
         if self.config_path:
             inc["_config"] = self.config_path
         if self._uid is None:
-            got = conn.execute("SELECT value FROM meta WHERE key = 'uid'").fetchone()
-            self._uid = str(got[0]) if got else ""
+            self._uid = db.uid()
         inc["_db"] = self._uid
-        if row is None and self.client is not None:
-            inc["_channel_id"] = self._known_id(conn, self.route(inc))
-        plot_pending = conn.execute(
-            "SELECT 1 FROM outbox WHERE incident_id=? AND sink=? AND action='plot' "
-            "AND delivered_at IS NULL",
-            (incident_id, self.name),
-        ).fetchone()
-        if plot_pending:
-            from .plot import metrics_for
-
-            inc["_plot_rows"] = metrics_for(conn, inc)
+        if message is None and self.client is not None:
+            inc["_channel_id"] = self._known_id(db, self.route(inc))
+        if db.waiting(incident_id, self.name, "plot"):
+            inc["_plot_rows"] = _plot_rows(db, inc)
         return inc
 
-    def _known_id(self, conn: sqlite3.Connection, channel: str) -> str | None:
+    def _known_id(self, db: OutboxStore, channel: str) -> str | None:
         """The ID of a channel configured by name: learnt in this process, or from a message
         of another incident routed to it."""
         if CHANNEL_ID.match(channel):
             return channel
         if channel in self._ids:
             return self._ids[channel]
-        rows = conn.execute(
-            "SELECT m.channel, i.kind, i.severity, r.name FROM messages m "
-            "JOIN incidents i ON i.id = m.incident_id LEFT JOIN runs r ON r.id = i.run_id "
-            "WHERE m.sink = ? AND m.channel IS NOT NULL AND m.channel != 'webhook' "
-            "ORDER BY m.posted_at DESC LIMIT 100",
-            (self.name,),
-        ).fetchall()
-        for cid, kind, severity, run in rows:
+        for message, kind, severity, run in db.routed_messages(self.name):
             if self.route({"kind": kind, "severity": severity, "run": run}) == channel:
-                return str(cid)
+                return str(message.channel)
         return None
 
     @staticmethod
-    def _where(conn: sqlite3.Connection, event_id: int | None) -> str | None:
+    def _where(db: OutboxStore, event_id: int | None) -> str | None:
         """``file:line`` of the root event (the file's name: the run names the folder)."""
-        if event_id is None:
+        place = db.event_place(event_id) if event_id is not None else None
+        if place is None:
             return None
-        row = conn.execute(
-            "SELECT s.path, e.line FROM events e JOIN sources s ON s.id = e.source_id "
-            "WHERE e.id = ?",
-            (event_id,),
-        ).fetchone()
-        if row is None or not row[0]:
-            return None
-        name = os.path.basename(str(row[0]))
-        return f"{name}:{row[1]}" if row[1] is not None else name
+        name = os.path.basename(place.path)
+        return f"{name}:{place.line}" if place.line is not None else name
 
-    def _first_line(self, conn: sqlite3.Connection, event_id: int | None) -> str | None:
+    def _first_line(self, db: OutboxStore, event_id: int | None) -> str | None:
         if event_id is None:
             return None
         if event_id in self._lines:
             return self._lines[event_id]
-        row = conn.execute(
-            "SELECT s.path, s.dev, s.ino, e.offset FROM events e JOIN sources s "
-            "ON s.id = e.source_id WHERE e.id = ?",
-            (event_id,),
-        ).fetchone()
+        place = db.event_place(event_id)
         line = None
-        if row is not None:
-            path, dev, ino, offset = row
+        if place is not None:
+            path, offset = place.path, place.offset
             try:
                 st = os.stat(path)
                 # only the file the event came from (not a later file at the same path)
-                if (st.st_dev, st.st_ino) == (dev, ino):
+                if (st.st_dev, st.st_ino) == (place.dev, place.ino):
                     with open(path, "rb") as f:
                         f.seek(offset)
                         data = f.read(4096)
@@ -250,95 +230,103 @@ class SlackSink:
     # -- delivery --------------------------------------------------------------------------------
 
     def deliver(
-        self, row: Mapping[str, Any], incident: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        if not incident:
+        self,
+        row: OutboxRow,
+        incident: Mapping[str, JSON],
+        absorbed: Sequence[OutboxRow] = (),
+    ) -> Posted | None:
+        if not incident or row.incident_id is None:
             return None  # removed by retention meanwhile
-        iid = int(row["incident_id"])
-        if row["action"] == "plot":
+        iid = row.incident_id
+        if row.action == "plot":
             return self._attach_plot(incident)
-        if row["action"] == "details":
+        if row.action == "details":
             return self._details(incident)
-        rows = [row, *row.get("absorbed", [])]
-        actions = {str(r["action"]) for r in rows}
-        message: Mapping[str, Any] | None = self._posted.get(iid) or incident.get("_message")
+        rows = [row, *absorbed]
+        actions = {r.action for r in rows}
+        message = self._message(incident)
         if message is not None and self.client is not None:
             # after a restart: the channel's name and ID share one budget again
-            self._learn_id(self.route(incident), str(message["channel"]))
+            self._learn_id(self.route(incident), str(message.channel))
         if message is None:
-            opens = [float(r.get("due_at") or 0) for r in rows if r["action"] == "open"]
+            opens = [r.due_at for r in rows if r.action == "open"]
             if not opens:
                 # never announced here (opened by a plain scan, or before Slack was configured)
                 return None
-            if row["action"] != "open" and min(opens) > time.time():
+            if row.action != "open" and min(opens) > self.clock():
                 raise Deferred("the incident's first message waits for group_wait", min(opens))
             if incident.get("status") != "open":
                 return None  # resolved or merged before it was announced: nothing to tell
             return self._announce(incident, due=min(opens))
         if actions == {"open"}:
             return None  # already posted (a replayed row)
-        immediate = any((r.get("payload") or {}).get("immediate") for r in rows)
-        if row["action"] == "update" and "resolve" not in actions and not immediate:
+        immediate = any(r.payload.get("immediate") for r in rows)
+        if row.action == "update" and "resolve" not in actions and not immediate:
             last = self._last_sent.get(iid)
-            if last is None and message.get("updated_at"):
-                last = parse_utc(message["updated_at"])
-            if last is not None and time.time() < last + self.alerts.group_interval:
+            if last is None and isinstance(message, Message) and message.updated_at:
+                last = parse_utc(message.updated_at)
+            if last is not None and self.clock() < last + self.alerts.group_interval:
                 raise Deferred(
                     "group_interval since the last message", last + self.alerts.group_interval
                 )
         news = merged_news(rows)
-        remember: Mapping[str, Any] | None
+        posted: Posted | None
         if self.client is not None:
-            remember = self._edit(incident, message, news, actions)
+            posted = self._edit(incident, message, news, actions)
         else:
-            remember = self._webhook_follow_up(incident, news, actions)
-        if remember is not None:
-            self._last_sent[iid] = time.time()
-        return remember
+            posted = self._webhook_follow_up(incident, news, actions)
+        if posted is not None:
+            self._last_sent[iid] = self.clock()
+        return posted
 
-    def _announce(self, inc: Mapping[str, Any], *, due: float = 0.0) -> Mapping[str, Any]:
+    def _message(self, inc: Mapping[str, JSON]) -> MessageRef | Message | None:
+        """The incident's parent message: posted by this process, or stored in ``messages``."""
+        mine = self._posted.get(int(inc["id"]))
+        stored: Message | None = inc.get("_message")
+        return mine or stored
+
+    def _announce(self, inc: Mapping[str, JSON], *, due: float = 0.0) -> Posted:
         iid = int(inc["id"])
         text = headline(inc)
         blocks = parent_blocks(inc, first_line=inc.get("_first_line"))
         if self.client is None:
             self._send_webhook(text, blocks)
-            message = {"channel": "webhook"}
+            self._last_sent[iid] = self.clock()
+            # a webhook has no thread: `nanwatch show` tells the rest
+            return Posted(MessageRef("webhook"))
+        channel = self.route(inc)
+        found = self._posted_before(channel, inc, due) if due < self.started else None
+        if found is not None:
+            log.info("incident #%d: its message is already in %s (ts %s)", iid, *found)
+            channel_id, ts = found
         else:
-            channel = self.route(inc)
-            found = self._posted_before(channel, inc, due) if due < self.started else None
-            if found is not None:
-                log.info("incident #%d: its message is already in %s (ts %s)", iid, *found)
-                channel_id, ts = found
-            else:
-                resp = self._post(
-                    channel,
-                    text=text,
-                    blocks=blocks,
-                    metadata={
-                        "event_type": "nanwatch_incident",
-                        "event_payload": {"incident": iid, "db": inc.get("_db") or ""},
-                    },
-                )
-                channel_id, ts = str(resp["channel"]), str(resp["ts"])
-            message = {"channel": channel_id, "ts": ts}
-            self._learn_id(channel, channel_id)
-            self._posted[iid] = message
-        self._last_sent[iid] = time.time()
-        if self.client is None:
-            return {"message": message}  # a webhook has no thread: `nanwatch show` tells the rest
-        return {"message": message, "then": ["details", "plot"] if self.plots else ["details"]}
+            resp = self._post(
+                channel,
+                text=text,
+                blocks=blocks,
+                metadata={
+                    "event_type": "nanwatch_incident",
+                    "event_payload": {"incident": iid, "db": inc.get("_db") or ""},
+                },
+            )
+            channel_id, ts = str(resp["channel"]), str(resp["ts"])
+        message = MessageRef(channel_id, ts)
+        self._learn_id(channel, channel_id)
+        self._posted[iid] = message
+        self._last_sent[iid] = self.clock()
+        return Posted(message, ("details", "plot") if self.plots else ("details",))
 
-    def _details(self, inc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _details(self, inc: Mapping[str, JSON]) -> Posted | None:
         """The rest of the story (origin, first log line, every known cause) in the thread."""
         text = details_text(inc, first_line=inc.get("_first_line"))
-        message = self._posted.get(int(inc["id"])) or inc.get("_message")
-        if not message or not message.get("ts"):
+        message = self._message(inc)
+        if not message or not message.ts:
             return None
-        self._post(str(message["channel"]), text=text, blocks=None, thread_ts=str(message["ts"]))
+        self._post(str(message.channel), text=text, blocks=None, thread_ts=str(message.ts))
         return None
 
     def _posted_before(
-        self, channel: str, inc: Mapping[str, Any], due: float
+        self, channel: str, inc: Mapping[str, JSON], due: float
     ) -> tuple[str, str] | None:
         """(channel ID, ts) of this incident's parent message if a previous process posted it
         (``conversations.history``, by the message's metadata), else None."""
@@ -389,12 +377,12 @@ class SlackSink:
 
     def _edit(
         self,
-        inc: Mapping[str, Any],
-        message: Mapping[str, Any],
+        inc: Mapping[str, JSON],
+        message: MessageRef | Message,
         news: list[str],
         actions: set[str],
-    ) -> Mapping[str, Any]:
-        channel, ts = str(message["channel"]), str(message["ts"])
+    ) -> Posted:
+        channel, ts = str(message.channel), str(message.ts)
         self._call(
             channel,
             "chat.update",
@@ -408,7 +396,7 @@ class SlackSink:
         reply = follow_up(inc, news, actions)
         if reply is not None:
             self._post(channel, text=reply, blocks=None, thread_ts=ts)
-        return {"message": {"channel": channel, "ts": ts}}
+        return Posted(MessageRef(channel, ts))
 
     def _post(self, channel: str, *, text: str, blocks: Any, **extra: Any) -> Any:
         kwargs = dict(
@@ -431,13 +419,13 @@ class SlackSink:
             return self._call(channel, "chat.postMessage", self.client.chat_postMessage, **kwargs)
 
     def _webhook_follow_up(
-        self, inc: Mapping[str, Any], news: list[str], actions: set[str]
-    ) -> Mapping[str, Any] | None:
+        self, inc: Mapping[str, JSON], news: list[str], actions: set[str]
+    ) -> Posted | None:
         text = follow_up(inc, news, actions, standalone=True)
         if text is None:
             return None  # a webhook cannot edit: counts alone are not worth a post
         self._send_webhook(text, None)
-        return {"message": {"channel": "webhook"}}
+        return Posted(MessageRef("webhook"))
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -453,16 +441,16 @@ class SlackSink:
     def _gate(self, channel: str) -> str:
         """Per-channel budget: wait for the next slot, or hold the row while Slack said 429."""
         key = self._ids.get(channel, channel)
-        now = time.monotonic()
+        now = self.monotonic()
         blocked = self._blocked.get(key, 0.0) - now
         if blocked > 0:
             raise Deferred(
-                f"Slack asked to wait before posting to {channel}", time.time() + blocked
+                f"Slack asked to wait before posting to {channel}", self.clock() + blocked
             )
         wait = self._next_call.get(key, 0.0) - now
         if wait > 0:
-            time.sleep(wait)  # at most `pace` seconds
-        self._next_call[key] = time.monotonic() + self.pace
+            self.sleep(wait)  # at most `pace` seconds
+        self._next_call[key] = self.monotonic() + self.pace
         return key
 
     def _call(self, where: str, method: str, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
@@ -475,7 +463,7 @@ class SlackSink:
         except SlackApiError as e:
             err = api_error(e, method, where)
             if err.retry_after is not None:
-                self._blocked[key] = time.monotonic() + err.retry_after
+                self._blocked[key] = self.monotonic() + err.retry_after
             raise err from None
         except urllib.error.HTTPError as e:
             # Slack answered (an upload URL, an API method): it is reachable, the call failed
@@ -499,7 +487,7 @@ class SlackSink:
             return
         if status == 429:
             wait = retry_after(resp.headers)
-            self._blocked[key] = time.monotonic() + wait
+            self._blocked[key] = self.monotonic() + wait
             raise DeliveryError(f"webhook: rate limited, Retry-After {wait:g}s", retry_after=wait)
         if status >= 500:
             raise DeliveryError(f"webhook: HTTP {status} {body}")
@@ -514,11 +502,11 @@ class SlackSink:
             return self._send_webhook(text, None)
         raise DeliveryError(f"webhook: HTTP {status} {body}", permanent=True)
 
-    def _attach_plot(self, inc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _attach_plot(self, inc: Mapping[str, JSON]) -> Posted | None:
         """The incident's plot in its thread (files_upload_v2: get URL, upload, complete)."""
-        message = self._posted.get(int(inc["id"])) or inc.get("_message")
+        message = self._message(inc)
         rows = inc.get("_plot_rows")
-        if not message or not message.get("ts") or not rows:
+        if not message or not message.ts or not rows:
             return None
         from .plot import PlotUnavailable, render_png
 
@@ -527,15 +515,22 @@ class SlackSink:
         except PlotUnavailable as e:
             log.info("incident %s: no plot (%s)", inc["id"], e)
             return None
-        channel = str(message["channel"])
+        channel = str(message.channel)
         self._call(
             channel,
             "files.upload",
             self.client.files_upload_v2,
             channel=channel,
-            thread_ts=str(message["ts"]),
+            thread_ts=str(message.ts),
             file=png,
             filename=f"nanwatch-incident-{inc['id']}.png",
             title=f"Incident #{inc['id']}: loss, grad norm and step time per rank",
         )
         return None
+
+
+def _plot_rows(db: OutboxStore, inc: Mapping[str, JSON]) -> list[dict[str, JSON]]:
+    """The metric rows of the incident's plot (the plot module reads them on a connection)."""
+    from .plot import metrics_for
+
+    return metrics_for(db.store.conn, inc)

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, Config
 from ..config import read_secret_file as read_secret
 from ..errors import ConfigError, DeliveryError
+from ..store.records import JSON
 
 log = logging.getLogger("nanwatch.notify.slack")
 
@@ -70,7 +71,7 @@ class SlackSettings:
 
     channel: str | None = None
     base_url: str = DEFAULT_BASE_URL
-    routes: tuple[Mapping[str, Any], ...] = ()
+    routes: tuple[Mapping[str, JSON], ...] = ()
     token: str | None = field(default=None, repr=False)
     webhook_url: str | None = field(default=None, repr=False)
     secret_source: str = ""  # where the secret came from, for messages
@@ -206,7 +207,7 @@ CHANNEL_ID = re.compile(r"^[CGD][A-Z0-9]{6,}$")
 # --- notify-test --------------------------------------------------------------------------------
 
 
-def self_test(settings: SlackSettings, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+def self_test(settings: SlackSettings, *, timeout: float = 10.0) -> list[dict[str, JSON]]:
     """Ask Slack who we are and whether each configured channel takes a message."""
     from slack_sdk import WebClient
     from slack_sdk.errors import SlackApiError
@@ -215,10 +216,10 @@ def self_test(settings: SlackSettings, *, timeout: float = 10.0) -> list[dict[st
 
     from .slack_text import test_message
 
-    steps: list[dict[str, Any]] = []
+    steps: list[dict[str, JSON]] = []
     target = settings.base_url if settings.mode == "bot" else "the incoming webhook"
 
-    def failed(step: str, e: Exception, channel: str | None = None) -> dict[str, Any]:
+    def failed(step: str, e: Exception, channel: str | None = None) -> dict[str, JSON]:
         if isinstance(e, SlackApiError):
             err = api_error(e, step, channel)
             data = getattr(e.response, "data", None)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from ..render import origin_text, ranks_text
+from ..store.records import JSON, OutboxRow
 
 # Block Kit limits (docs: reference/block-kit/blocks)
 HEADER_MAX = 150
@@ -42,22 +42,22 @@ def clip(escaped: str, limit: int, more: str = "") -> str:
     return cut + "…" + more
 
 
-def _more(iid: Any) -> str:
+def _more(iid: JSON) -> str:
     return f" (truncated: nanwatch show {iid})"
 
 
-def _code(text: str, limit: int, iid: Any) -> str:
+def _code(text: str, limit: int, iid: JSON) -> str:
     # a backtick would end the code block early; its stand-in must not be a quote either: the
     # block may hold a suggested shell command, and a ' there would undo its quoting
     body = escape(text).replace("`", "\u02cb")
     return _FENCE + clip(body, limit - 2 * len(_FENCE), _more(iid)) + _FENCE
 
 
-def _mrkdwn(text: str) -> dict[str, Any]:
+def _mrkdwn(text: str) -> dict[str, JSON]:
     return {"type": "mrkdwn", "text": text, "verbatim": True}
 
 
-def _section(text: str) -> dict[str, Any]:
+def _section(text: str) -> dict[str, JSON]:
     return {"type": "section", "text": _mrkdwn(text)}
 
 
@@ -66,11 +66,11 @@ _SOFT_BREAK = re.compile(r"(?<!\n)\n(?!\n)")
 HINT_MAX = 700  # the full text is in `nanwatch show`
 
 
-def status_icon(inc: Mapping[str, Any]) -> str:
+def status_icon(inc: Mapping[str, JSON]) -> str:
     return _ICONS.get(str(inc.get("status")), ":rotating_light:")
 
 
-def _state(inc: Mapping[str, Any]) -> str:
+def _state(inc: Mapping[str, JSON]) -> str:
     """``Resolved: `` / ``Merged into #3: `` before the title; nothing while open."""
     status = inc.get("status")
     if status == "resolved":
@@ -81,7 +81,7 @@ def _state(inc: Mapping[str, Any]) -> str:
     return ""
 
 
-def headline(inc: Mapping[str, Any]) -> str:
+def headline(inc: Mapping[str, JSON]) -> str:
     """One line, escaped: the fallback text and the notification preview."""
     iid = inc.get("id")
     state = _state(inc)
@@ -103,7 +103,7 @@ _SEVERITY_ICON = {"critical": ":red_circle:", "warning": ":large_orange_circle:"
 _RUN_SUFFIX = re.compile(r" \(run [^()]*\)$")
 
 
-def visible_chars(blocks: Sequence[Mapping[str, Any]]) -> int:
+def visible_chars(blocks: Sequence[Mapping[str, JSON]]) -> int:
     """Characters a reader sees in Block Kit blocks (entities count as one)."""
     n = 0
     for b in blocks:
@@ -128,7 +128,7 @@ def short_run(run: object, limit: int = 48) -> str:
     return "…/" + tail if len(tail) + 2 <= limit else "…" + tail[-(limit - 1) :]
 
 
-def _root_cause(inc: Mapping[str, Any]) -> str:
+def _root_cause(inc: Mapping[str, JSON]) -> str:
     """The root cause in a sentence: the correlator's, else one from the origin's fields."""
     detail = inc.get("detail") or {}
     if detail.get("root_cause"):
@@ -143,7 +143,7 @@ def _root_cause(inc: Mapping[str, Any]) -> str:
     return origin_text(o)
 
 
-def _next_commands(inc: Mapping[str, Any], limit: int = 2) -> list[str]:
+def _next_commands(inc: Mapping[str, JSON], limit: int = 2) -> list[str]:
     """The first command of each of the first known causes (the thread has them all)."""
     out: list[str] = []
     for h in inc.get("hints") or []:
@@ -155,14 +155,14 @@ def _next_commands(inc: Mapping[str, Any], limit: int = 2) -> list[str]:
     return out
 
 
-def _show_command(inc: Mapping[str, Any]) -> str:
+def _show_command(inc: Mapping[str, JSON]) -> str:
     cmd = f"nanwatch show {inc.get('id')}"
     if inc.get("_config"):
         cmd += f" --config {inc['_config']}"
     return cmd
 
 
-def _people(inc: Mapping[str, Any]) -> str:
+def _people(inc: Mapping[str, JSON]) -> str:
     """Who acknowledged or resolved it, and when (`nanwatch ack` / `nanwatch resolve`)."""
     if inc.get("resolved_by"):
         return f"resolved by {inc['resolved_by']} at {inc.get('resolved_at') or '-'}"
@@ -171,7 +171,9 @@ def _people(inc: Mapping[str, Any]) -> str:
     return ""
 
 
-def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> list[dict[str, Any]]:
+def parent_blocks(
+    inc: Mapping[str, JSON], *, first_line: str | None = None
+) -> list[dict[str, JSON]]:
     """The incident's parent message: what, where, root cause and the next command.
 
     At most :data:`PARENT_VISIBLE` visible characters; the origin in full, the first line of the
@@ -184,7 +186,7 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     severity = str(inc.get("severity") or "")
     icon = _ICONS.get(str(inc.get("status"))) or _SEVERITY_ICON.get(severity, ":rotating_light:")
     head = f"{_state(inc)}#{iid} {title}"
-    blocks: list[dict[str, Any]] = [
+    blocks: list[dict[str, JSON]] = [
         {
             "type": "header",
             "text": {"type": "plain_text", "text": clip(escape(head), 110), "emoji": False},
@@ -230,7 +232,7 @@ def parent_blocks(inc: Mapping[str, Any], *, first_line: str | None = None) -> l
     return blocks
 
 
-def details_text(inc: Mapping[str, Any], *, first_line: str | None = None) -> str:
+def details_text(inc: Mapping[str, JSON], *, first_line: str | None = None) -> str:
     """The thread's first reply: the origin in full, the log's first line, every known cause."""
     iid = inc.get("id")
     more = _more(iid)
@@ -257,17 +259,17 @@ def details_text(inc: Mapping[str, Any], *, first_line: str | None = None) -> st
     return clip("\n\n".join(parts), SECTION_MAX, more)
 
 
-def merged_news(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+def merged_news(rows: Iterable[OutboxRow]) -> list[str]:
     """The news strings of several outbox rows, in order, without repeats."""
     seen: dict[str, None] = {}
     for row in rows:
-        for item in (row.get("payload") or {}).get("news") or []:
+        for item in (row.payload or {}).get("news") or []:
             seen.setdefault(str(item), None)
     return list(seen)
 
 
 def follow_up(
-    inc: Mapping[str, Any], news: Sequence[str], actions: set[str], *, standalone: bool = False
+    inc: Mapping[str, JSON], news: Sequence[str], actions: set[str], *, standalone: bool = False
 ) -> str | None:
     """A thread reply (or, for webhooks, a short post) with what is new; None if nothing is."""
     iid = inc.get("id")
@@ -294,6 +296,6 @@ def follow_up(
     return clip("\n".join(lines), SECTION_MAX, _more(iid))
 
 
-def test_message(where: str) -> tuple[str, list[dict[str, Any]]]:
+def test_message(where: str) -> tuple[str, list[dict[str, JSON]]]:
     text = f":wave: nanwatch test message for {escape(where)}: notifications work."
     return text, [_section(text)]

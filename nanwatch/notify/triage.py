@@ -10,13 +10,14 @@ like any other change.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import time
 
 from ..errors import NanwatchError
-from ..events import now_utc
+from ..events import format_utc
 from ..store import Store
+from ..store.outbox import OutboxStore
+from ..store.records import Queued
 
 
 def who() -> str:
@@ -31,76 +32,67 @@ def who() -> str:
         return os.environ.get("USER") or "unknown"
 
 
-def acknowledge(store: Store, incident_id: int, *, by: str, note: str | None) -> str:
+def acknowledge(
+    store: Store, incident_id: int, *, by: str, note: str | None, now: float | None = None
+) -> str:
     """Mark an open incident acknowledged; returns what changed, for the message."""
-    when = now_utc()
+    now = time.time() if now is None else now
+    when = format_utc(now)
+    db = OutboxStore(store)
     with store.transaction():
-        status, version = _current(store, incident_id)
+        status, version = _current(db, incident_id)
         if status != "open":
             raise NanwatchError(
                 f"incident #{incident_id} is {status}: nothing to acknowledge "
                 "(see `nanwatch show " + str(incident_id) + "`)"
             )
-        store.execute(
-            "UPDATE incidents SET acked_by = ?, acked_at = ?, ack_note = ?, version = ?, "
-            "updated_at = ? WHERE id = ?",
-            (by, when, note, version + 1, when, incident_id),
-        )
+        db.acknowledge(incident_id, by=by, note=note, when=when, version=version + 1)
         news = f"Acknowledged by {by} at {when}" + (f": {note}" if note else "")
-        _enqueue(store, incident_id, "update", version + 1, news)
+        _enqueue(db, incident_id, "update", version + 1, news, now)
     return news
 
 
-def resolve(store: Store, incident_id: int, *, by: str, note: str | None) -> str:
+def resolve(
+    store: Store, incident_id: int, *, by: str, note: str | None, now: float | None = None
+) -> str:
     """Resolve an incident by hand; returns what changed."""
-    when = now_utc()
+    now = time.time() if now is None else now
+    when = format_utc(now)
+    db = OutboxStore(store)
     with store.transaction():
-        status, version = _current(store, incident_id)
+        status, version = _current(db, incident_id)
         if status != "open":
             raise NanwatchError(f"incident #{incident_id} is already {status}")
-        store.execute(
-            "UPDATE incidents SET status = 'resolved', resolved_at = ?, resolved_by = ?, "
-            "resolve_note = ?, version = ?, updated_at = ? WHERE id = ?",
-            (when, by, note, version + 1, when, incident_id),
-        )
+        db.resolve(incident_id, by=by, note=note, when=when, version=version + 1)
         news = f"Resolved by {by} at {when}" + (f": {note}" if note else "")
-        _enqueue(store, incident_id, "resolve", version + 1, news)
+        _enqueue(db, incident_id, "resolve", version + 1, news, now)
     return news
 
 
-def _current(store: Store, incident_id: int) -> tuple[str, int]:
-    row = store.conn.execute(
-        "SELECT status, version FROM incidents WHERE id = ?", (incident_id,)
-    ).fetchone()
-    if row is None:
+def _current(db: OutboxStore, incident_id: int) -> tuple[str, int]:
+    got = db.status_version(incident_id)
+    if got is None:
         raise NanwatchError(f"no incident #{incident_id}; list them with `nanwatch incidents`")
-    return str(row[0]), int(row[1])
+    return got
 
 
-def _enqueue(store: Store, incident_id: int, action: str, version: int, news: str) -> None:
+def _enqueue(
+    db: OutboxStore, incident_id: int, action: str, version: int, news: str, now: float
+) -> None:
     """An outbox row for each sink that has a message or a row for this incident already: a
     sink that never announced it has nothing to update."""
-    sinks = [
-        s
-        for (s,) in store.conn.execute(
-            "SELECT sink FROM messages WHERE incident_id = ? UNION "
-            "SELECT sink FROM outbox WHERE incident_id = ? ORDER BY 1",
-            (incident_id, incident_id),
-        )
-    ]
-    now, due = now_utc(), time.time()
-    for sink in sinks:
-        store.execute(
-            "INSERT OR IGNORE INTO outbox(incident_id, sink, action, payload, dedup_key, "
-            "created_at, due_at) VALUES (?,?,?,?,?,?,?)",
-            (
+    db.enqueue(
+        [
+            Queued(
                 incident_id,
                 sink,
                 action,
                 # immediate: a person's word skips group_interval
-                json.dumps({"version": version, "news": [news], "immediate": True}),
+                {"version": version, "news": [news], "immediate": True},
                 f"{sink}:{incident_id}:{action}:{version}",
                 now,
-                due,
-            ),
-        )
+            )
+            for sink in db.sinks_told(incident_id)
+        ],
+        created_at=format_utc(now),
+    )

@@ -19,12 +19,16 @@ JSON = Any  # a decoded JSON value: its shape is the rule pack's or the knowledg
 __all__ = [
     "EVENT_COLUMNS",
     "JSON",
+    "EventPlace",
     "EventRow",
     "FileHealth",
     "Incident",
     "IncidentRow",
     "Message",
+    "MessageRef",
     "OutboxRow",
+    "Outcome",
+    "Queued",
     "Run",
     "RunSummary",
     "Silence",
@@ -280,3 +284,51 @@ class FileHealth:
     page_size: int
     pages: int
     free: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRef:
+    """Where a sink put an incident's message (``ts`` None: a webhook, nothing to edit)."""
+
+    channel: str | None
+    ts: str | None = None
+    thread_ts: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A notification to queue; a second one with the same ``dedup_key`` is ignored."""
+
+    incident_id: int | None
+    sink: str
+    action: str
+    payload: Mapping[str, JSON]
+    dedup_key: str
+    due_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a sender decided about one outbox row: delivered (``ok``, with the message it
+    posted and the follow-up actions to queue), held until ``retry_at`` (``deferred``), retried
+    at ``retry_at``, or given up (``permanent``)."""
+
+    row_id: int
+    ok: bool
+    error: str | None = None
+    retry_at: float | None = None
+    permanent: bool = False
+    message: MessageRef | None = None
+    deferred: bool = False
+    then: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EventPlace:
+    """Where an event's bytes are: its source file (and that file's identity) and offset."""
+
+    path: str
+    line: int | None
+    dev: int
+    ino: int
+    offset: int
