@@ -75,6 +75,7 @@ def fleet(config_path: Path | None, as_json: bool, once: bool, interval: float) 
     from ..notify.outbox import Outbox, Sender
     from ..store import Store
     from ..store.fleet import FleetStore
+    from ..store.outbox import OutboxStore
     from .ingest import _sinks
 
     config = load_config(config_path) if config_path else load_config(_env_config())
@@ -126,8 +127,12 @@ def fleet(config_path: Path | None, as_json: bool, once: bool, interval: float) 
                 ]
                 held.enqueue(first)
                 outbox.enqueue([c for c in cycle.changes if c not in first])
+                # a held symptom that became a root (or was absorbed by one) waits no more
+                OutboxStore(work).release(
+                    {c.incident_id for c in cycle.changes} - symptoms, now=time.time()
+                )
                 with _reader(state) as reader:
-                    sender.deliver_due(reader, now=now)
+                    sender.deliver_due(reader)  # its own clock: rows queued just now are due
                 outbox.record(sender.drain_results())
             summary["cycles"] += 1
             summary["pulled"] += cycle.pulled
