@@ -25,6 +25,7 @@ from typing import Any
 
 from ..events import format_utc, now_utc
 from ..store.db import Store
+from ..store.metrics import Metrics
 from . import effects, samples, slowdown
 from .chains import (
     ROOT_KINDS,
@@ -136,25 +137,8 @@ class Correlator:
 
     def _slowdowns(self) -> None:
         """Slowdown events for runs with new step times (and the runs compared with them)."""
-        upto = int(self.store.meta_get("slowdown_metrics_upto", "0") or 0)
-        row = self.store.conn.execute("SELECT max(id) FROM metrics").fetchone()
-        newest = int(row[0] or 0)
-        if newest <= upto:
-            return
-        runs = {
-            int(r[0])
-            for r in self.store.conn.execute(
-                "SELECT DISTINCT run_id FROM metrics WHERE id > ? AND run_id IS NOT NULL", (upto,)
-            )
-        }
-        for run_id in list(runs):
-            runs.update(slowdown.later_runs(self.store.conn, run_id))
-        cache: dict[int, list[slowdown.Point]] = {}
         with self.store.transaction():
-            for run_id in sorted(runs):
-                finding = slowdown.find(self.store.conn, run_id, cache)
-                if finding is None:
-                    continue
+            for run_id, finding in slowdown.Tracker(Metrics(self.store)).update():
                 exists = self.store.conn.execute(
                     "SELECT 1 FROM events WHERE run_id = ? AND kind = 'slowdown' LIMIT 1",
                     (run_id,),
@@ -164,7 +148,6 @@ class Correlator:
                 self.store.insert_events(
                     run_id, finding.at.source_id, [slowdown.to_event(finding)], now_utc()
                 )
-            self.store.meta_set("slowdown_metrics_upto", str(newest))
 
     # -- one batch -------------------------------------------------------------------------------
 
@@ -434,7 +417,7 @@ class Correlator:
         detail = {**json.loads(row[0] or "{}"), **story.detail}
         detail["nodes"] = sorted(nodes)  # where its events were read (several when merged)
         if inc["kind"] == "nan":
-            related = samples.related(self.store.conn, inc["run_id"], origin)
+            related = samples.related(self.store, inc["run_id"], origin)
             if related:
                 detail["related_data_issues"] = related
         hints = (
@@ -509,11 +492,7 @@ class Correlator:
         for iid, run_id, version, detail_json, last_step in rows:
             if last_step is None:
                 continue
-            n = self.store.conn.execute(
-                "SELECT count(*) FROM metrics WHERE run_id IS ? AND stage = 'train' "
-                "AND loss IS NOT NULL AND abs(loss) < 1e300 AND step > ?",
-                (run_id, last_step),
-            ).fetchone()[0]
+            n = Metrics(self.store).trained_after(run_id, last_step)
             if n >= RECOVERY_ITERATIONS:
                 detail = json.loads(detail_json or "{}")
                 detail["resolution"] = (
@@ -527,9 +506,10 @@ class Correlator:
         reached a step beyond the incident's origin step (or an epoch beyond its epoch)."""
         out: list[Change] = []
         # only new step counts (or new incidents) can change the answer: look again then
-        newest = self.store.conn.execute(
-            "SELECT (SELECT max(id) FROM metrics), (SELECT max(id) FROM incidents)"
-        ).fetchone()
+        newest = (
+            Metrics(self.store).last_block(),
+            self.store.conn.execute("SELECT max(id) FROM incidents").fetchone()[0],
+        )
         if newest == self._relaunch_upto:
             return out
         self._relaunch_upto = newest
@@ -543,14 +523,14 @@ class Correlator:
             if step is None and epoch is None:
                 continue
             later = self.store.conn.execute(
-                "SELECT r.name, max(m.step), max(m.epoch) FROM runs r "
-                # a step counts when it trained: its loss is finite (SQLite stores NaN as NULL)
-                "JOIN metrics m ON m.run_id = r.id AND m.stage = 'train' "
-                "AND m.loss IS NOT NULL AND abs(m.loss) < 1e300 "
-                "WHERE r.experiment = ? AND r.id > ? GROUP BY r.id ORDER BY r.id",
+                "SELECT id, name FROM runs WHERE experiment = ? AND id > ? ORDER BY id",
                 (experiment, run_id),
             ).fetchall()
-            for name, max_step, max_epoch in later:
+            for later_id, name in later:
+                # a step counts when it trained: its loss is finite
+                max_step, max_epoch = Metrics(self.store).trained_to(later_id)
+                if max_step is None and max_epoch is None:
+                    continue
                 if step is not None and max_step is not None and max_step > step:
                     past = f"step {max_step}, past the incident's step {step}"
                 elif step is None and max_epoch is not None and max_epoch > epoch:

@@ -18,9 +18,11 @@ gradients, so the others are listed too.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Mapping
 from typing import Any
+
+from ..store.db import Store
+from ..store.metrics import Metrics
 
 SAMPLE_REASONS = ("empty ground truth", "empty batch")
 WINDOW = 50  # iterations looked back when the run logged no finite iteration before the NaN
@@ -28,7 +30,7 @@ LIMIT = 20
 
 
 def related(
-    conn: sqlite3.Connection, run_id: int | None, origin: Mapping[str, Any], *, limit: int = LIMIT
+    store: Store, run_id: int | None, origin: Mapping[str, Any], *, limit: int = LIMIT
 ) -> list[dict[str, Any]]:
     """The sample findings of ``run_id`` in the steps that lead to ``origin`` (closest first)."""
     step = origin.get("step")
@@ -39,13 +41,9 @@ def related(
         lo = hi - 1
     else:
         hi = step
-        row = conn.execute(
-            "SELECT max(step) FROM metrics WHERE run_id = ? AND stage = 'train' AND step < ? "
-            "AND loss IS NOT NULL AND abs(loss) < 1e300",
-            (run_id, hi),
-        ).fetchone()
-        lo = int(row[0]) if row and row[0] is not None else max(0, hi - WINDOW)
-    rows = conn.execute(
+        last = Metrics(store).trained_before(run_id, hi)
+        lo = last if last is not None else max(0, hi - WINDOW)
+    rows = store.conn.execute(
         "SELECT min(id), rank, epoch, iter, step, json_extract(fields, '$.reason') AS reason, "
         "json_extract(fields, '$.image'), json_extract(fields, '$.image_id'), min(time) "
         "FROM events WHERE run_id = ? AND kind = 'data_issue' AND step BETWEEN ? AND ? "

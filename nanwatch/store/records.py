@@ -21,6 +21,7 @@ __all__ = [
     "JSON",
     "Incident",
     "Message",
+    "MetricRow",
     "OutboxRow",
     "Run",
     "Silence",
@@ -187,3 +188,25 @@ class Silence:
     until: float
     created_at: str
     comment: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    """One logged iteration's numbers as stored (``nanwatch metrics``), with its run's name."""
+
+    run: str | None
+    run_id: int | None
+    source_id: int | None
+    offset: int
+    rank: int | None
+    step: int | None
+    epoch: int | None
+    iter: int | None
+    stage: str | None
+    time: str | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_time: float | None = None
+    data_time: float | None = None
+    lr: float | None = None
+    memory: float | None = None
