@@ -3,19 +3,29 @@ migration of a schema-4 database, the readers, the incremental slowdown check, `
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
+import json
+import math
 import sqlite3
 from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
+
+from nanwatch.cli import cli
 from nanwatch.config import Config
 from nanwatch.correlate import slowdown
 from nanwatch.events import Metric
 from nanwatch.pipeline import Pipeline
 from nanwatch.query import list_incidents
-from nanwatch.simulate import mmengine_iter_line
+from nanwatch.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.store import SCHEMA_VERSION, Store
 from nanwatch.store.metrics import MetricColumns, Metrics, decode, encode
 from nanwatch.store.schema import MIGRATIONS
+
+from .conftest import nanwatch
 
 T0 = dt.datetime(2026, 11, 30, 10, 0, 0)
 
@@ -301,3 +311,54 @@ def test_most_ranks_must_be_slow() -> None:
     for i in range(40):
         again.add(slowdown.Point(i, 9.0, 1, i, None, None, None))
     assert again.found is None and again.to_json() == stats[1].to_json()
+
+
+def _cli_db(tmp_path: Path) -> Path:
+    run = TrainingRun(tmp_path / "wd" / "exp", ranks=2, epochs=1, iters=50)
+    run.write()
+    db = tmp_path / "m.db"
+    _scan(db, run.work_dir)
+    return db
+
+
+def test_the_metrics_command_lists_every_iteration(tmp_path: Path) -> None:
+    db = _cli_db(tmp_path)
+    r = CliRunner().invoke(cli, ["metrics", "--db", str(db), "--json"])
+    assert r.exit_code == 0, r.output
+    got = [json.loads(line) for line in r.output.splitlines()]
+    store = Store.open(db, readonly=True)
+    n = Metrics(store).count()
+    store.close()
+    assert len(got) == n > 10 and {g["rank"] for g in got} == {0, 1}
+    assert all(isinstance(g["step_time"], float) and g["stage"] == "train" for g in got)
+    assert list(got[0])[:5] == ["run", "rank", "epoch", "iter", "step"]
+    r = CliRunner().invoke(
+        cli, ["metrics", "--db", str(db), "--csv", "--rank", "1", "--limit", "2"]
+    )
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO(r.output)))
+    assert len(rows) == 2 and {x["rank"] for x in rows} == {"1"}
+    assert math.isfinite(float(rows[0]["step_time"])) and rows[0]["stage"] == "train"
+    r = CliRunner().invoke(cli, ["metrics", "--db", str(db), "--until", "2000-01-01"])
+    assert r.exit_code == 0 and "No metrics" in r.output
+    r = CliRunner().invoke(cli, ["metrics", "--db", str(db)])
+    assert r.exit_code == 0 and "STEP_TIME" in r.output and len(r.output.splitlines()) == n + 2
+    r = CliRunner().invoke(cli, ["metrics", "--db", str(db), "--run", "nope"])
+    assert r.exit_code != 0 and "--run 'nope' matches no run" in r.output
+    r = CliRunner().invoke(cli, ["metrics", "--db", str(db), "--json", "--csv"])
+    assert r.exit_code != 0 and "choose one" in r.output
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_the_metrics_command_has_help(flag: str) -> None:
+    r = CliRunner().invoke(cli, ["metrics", flag])
+    assert r.exit_code == 0 and "--csv" in r.output and "Examples" in r.output
+    assert "metrics" in CliRunner().invoke(cli, ["--help"]).output
+
+
+def test_the_metrics_command_as_a_process(tmp_path: Path) -> None:
+    db = _cli_db(tmp_path)
+    out = nanwatch("metrics", "--db", str(db), "--csv", "--rank", "0").stdout
+    head, *rows = out.splitlines()
+    assert head.split(",")[:5] == ["run", "rank", "epoch", "iter", "step"] and rows
+    assert {r.split(",")[1] for r in rows} == {"0"}
