@@ -147,6 +147,20 @@ def test_a_final_chunk_read_again_with_more_lines_stores_each_iteration_once(
     assert sorted(steps) == [i * 10 for i in range(1, 31)]
 
 
+def test_a_live_pass_s_few_lines_grow_the_source_s_last_block(tmp_path: Path) -> None:
+    store, run, src = _store(tmp_path / "m.db")
+    for i in range(300):
+        with store.transaction():
+            assert store.insert_metrics(run, src, [_m(i * 10, step_time=0.8)]) == 1
+    blocks = store.conn.execute("SELECT n FROM metric_blocks ORDER BY id").fetchall()
+    assert blocks == [(256,), (44,)]
+    assert [m[0] for m in _stored(store)] == [i * 10 for i in range(300)]
+    with store.transaction():
+        assert store.insert_metrics(run, src, [_m(i * 10) for i in range(250, 301)]) == 1
+    assert Metrics(store).count() == 301
+    store.close()
+
+
 def _schema_4(db: Path) -> None:
     conn = sqlite3.connect(db)
     for m in MIGRATIONS[:4]:

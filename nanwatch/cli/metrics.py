@@ -114,16 +114,15 @@ def metrics(
       nanwatch metrics --run 20261130_101500 --since 2h --json | jq .step_time
       nanwatch metrics --csv > steps.csv
     """
-    from ..query import run_names
-
     if as_json and as_csv:
         raise click.UsageError("--json and --csv: choose one")
     check_limit(limit)
     t0, t1 = parse_when(since, "--since"), parse_when(until, "--until")
     store = open_reader(config_path, db, quiet=as_json or as_csv)
     try:
-        names = match_runs(run, run_names(store.conn))
-        it: Iterable[MetricRow] = Metrics(store).rows(runs=names, rank=rank, since=t0, until=t1)
+        metrics = Metrics(store)
+        names = match_runs(run, metrics.run_names())
+        it: Iterable[MetricRow] = metrics.rows(runs=names, rank=rank, since=t0, until=t1)
         if limit is not None:
             it = deque(it, maxlen=limit)
         if as_json:

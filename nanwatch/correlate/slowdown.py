@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from statistics import median
+from typing import NamedTuple
 
 from ..events import Event
 from ..store.metrics import MISSING, Block, Metrics
@@ -38,8 +39,9 @@ def _mark(baseline: float) -> float:
     return max(THRESHOLD * baseline, baseline + MIN_INCREASE)
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
+    """A logged training step (a tuple: a scan makes one per iteration line)."""
+
     step: int
     seconds: float
     source_id: int | None
@@ -49,15 +51,7 @@ class Point:
     time: str | None
 
     def to_json(self) -> list[JSON]:
-        return [
-            self.step,
-            self.seconds,
-            self.source_id,
-            self.offset,
-            self.epoch,
-            self.iter,
-            self.time,
-        ]
+        return list(self)
 
     @classmethod
     def from_json(cls, v: list[JSON]) -> Point:
@@ -103,7 +97,8 @@ class RankStats:
         if len(self.window) < WINDOW:
             return
         mark = _mark(self.base)
-        if sum(1 for q in self.window if q.seconds >= mark) * 2 > WINDOW:
+        # only a slow step can make the window slow: the others need no count
+        if p.seconds >= mark and sum(1 for q in self.window if q.seconds >= mark) * 2 > WINDOW:
             cur = median(q.seconds for q in self.window)
             start = next(q for q in self.window if q.seconds >= mark)
             self.found = Finding(start, cur / self.base, self.base, cur, "own")

@@ -12,7 +12,8 @@ next scan, a node database merged twice): one logged iteration is stored once, a
 when each iteration was a row.
 
 Block format (``metric_blocks.data``): ``b"NWM1"`` (raw) or ``b"NWMz"`` (every non-empty
-section zlib-compressed on its own, so a reader inflates only the columns it needs), then
+section zlib-compressed on its own, so a reader inflates only the columns it needs, and
+prefixed ``z``; or ``r`` and kept raw when that is smaller, as for a block of a few rows), then
 ``uint32 n``, then 13 sections in :class:`~nanwatch.events.Metric`'s field order, each
 ``uint32 length`` + bytes, all little-endian; an empty section means "missing on every row":
 
@@ -55,6 +56,7 @@ _INTS = ("offset", "rank", "step", "epoch", "iter")
 _TEXTS = ("stage", "time")
 _FLOATS = ("loss", "grad_norm", "step_time", "data_time", "lr", "memory")
 BLOCK_ROWS = 4096  # rows per block when rows are converted (migration 5)
+SMALL_BLOCK = 256  # a source's last block grows by appending while it holds fewer rows
 
 _BLOCK_COLS = (
     "run_id, source_id, first_offset, last_offset, n, rank_min, rank_max, step_min, step_max, "
@@ -178,7 +180,9 @@ def encode(cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
         col = getattr(cols, name)
         raw = _ints(col) if name in _INTS else _texts(col) if name in _TEXTS else _floats(col)
         if compress and raw:
-            raw = zlib.compress(raw, 1)
+            # a few rows (a live pass) compress to more than they are: kept raw then
+            z = zlib.compress(raw, 1)
+            raw = b"z" + z if len(z) < len(raw) else b"r" + raw
         parts.append(_U32.pack(len(raw)))
         parts.append(raw)
     return b"".join(parts)
@@ -238,7 +242,9 @@ class _Sections:
     def __getitem__(self, i: int) -> bytes:
         lo, hi = self._pos[i]
         raw = self._blob[lo:hi]
-        return zlib.decompress(raw) if self._z and raw else raw
+        if not self._z or not raw:
+            return raw
+        return zlib.decompress(raw[1:]) if raw[:1] == b"z" else raw[1:]
 
 
 def _sections(blob: bytes) -> tuple[int, _Sections]:
@@ -328,15 +334,39 @@ class Metrics:
         if not len(cols):
             return 0
         lo, hi = min(cols.offset), max(cols.offset)
+        new = cols
         if source_id is not None:
-            cols = self._unseen(source_id, lo, hi, cols)
+            new = cols = self._unseen(source_id, lo, hi, cols)
             if not len(cols):
                 return 0
+            cols = self._after_small_block(run_id, source_id, cols)
         self.store.execute(
             f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, source_id, *_summary(cols), encode(cols)),
         )
-        return len(cols)
+        return len(new)
+
+    def _after_small_block(
+        self, run_id: int | None, source_id: int, cols: MetricColumns
+    ) -> MetricColumns:
+        """A live pass reads a line or two per file: appended to the source's last block while
+        it is small, they cost a few bytes each instead of a block's overhead. The grown block
+        is written anew (a new id: readers that follow ids see it; what they had seen of it
+        is known to them by offset or step), keyed by the same first offset."""
+        row = self._conn.execute(
+            "SELECT id, run_id, last_offset, n, data FROM metric_blocks WHERE source_id = ? "
+            "ORDER BY last_offset DESC LIMIT 1",
+            (source_id,),
+        ).fetchone()
+        if row is None or row[1] != run_id or row[3] + len(cols) > SMALL_BLOCK:
+            return cols
+        if row[2] >= min(cols.offset):
+            return cols  # not after it (a source read again from an earlier offset)
+        old = decode(row[4])
+        self.store.execute("DELETE FROM metric_blocks WHERE id = ?", (row[0],))
+        return MetricColumns(
+            *(list(getattr(old, f)) + list(getattr(cols, f)) for f in Metric._fields)
+        )
 
     def _unseen(self, source_id: int, lo: int, hi: int, cols: MetricColumns) -> MetricColumns:
         """Without the iterations whose offsets a stored block of the source already holds."""
@@ -453,6 +483,10 @@ class Metrics:
                     if until is not None and (m.time is None or m.time > until):
                         continue
                     yield MetricRow(name, b.run_id, b.source_id, *m)
+
+    def run_names(self) -> list[str]:
+        """Every run's name, oldest first (what ``--run`` patterns are matched against)."""
+        return [str(n) for (n,) in self._conn.execute("SELECT name FROM runs ORDER BY id")]
 
     def step_times(self, run_id: int, rank: int | None = None) -> StepTimes:
         """One run's training step times, decoding only the columns they need."""
