@@ -37,7 +37,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..events import Metric
 from .records import JSON, MetricRow
@@ -129,15 +129,16 @@ class StepTimes:
 # -- packing ---------------------------------------------------------------------------------
 
 
+# The usual column has no missing value: array() takes it whole, and raises TypeError on a
+# None (cheaper than looking for one first); only then are missing values replaced.
+
+
 def _ints(col: Sequence[int | None]) -> bytes:
-    n = len(col)
-    nones = col.count(None)
-    if nones == n and n:
-        return b""
-    known = cast("Sequence[int]", col) if not nones else [MISSING if v is None else v for v in col]
     try:
-        a = array("q", known)
+        a = array("q", cast("Sequence[int]", col))
     except (TypeError, OverflowError):
+        if col.count(None) == len(col):
+            return b""
         # bad input is data: a value that is no int64 is stored as missing
         a = array("q", [v if type(v) is int and -(2**63) < v < 2**63 else MISSING for v in col])
     if _SWAP:
@@ -146,14 +147,11 @@ def _ints(col: Sequence[int | None]) -> bytes:
 
 
 def _floats(col: Sequence[float | None]) -> bytes:
-    n = len(col)
-    nones = col.count(None)
-    if nones == n and n:
-        return b""
-    known = cast("Sequence[float]", col) if not nones else [_NAN if v is None else v for v in col]
     try:
-        a = array("d", known)
+        a = array("d", cast("Sequence[float]", col))
     except TypeError:
+        if col.count(None) == len(col):
+            return b""
         a = array("d", [float(v) if isinstance(v, (int, float)) else _NAN for v in col])
     if _SWAP:
         a.byteswap()
@@ -266,38 +264,44 @@ def decode(blob: bytes) -> MetricColumns:
     return MetricColumns(*cols)  # type: ignore[arg-type]
 
 
-def _known(col: Sequence[object]) -> list[object] | Sequence[object]:
-    return [v for v in col if v is not None] if None in col else col
+def _span(col: Sequence[Any]) -> tuple[Any, Any]:
+    """(lowest, highest) of the known values; (None, None) when none is."""
+    try:
+        return min(col), max(col)
+    except (TypeError, ValueError):  # a missing value among them, or none at all
+        known = [v for v in col if v is not None]
+        return (min(known), max(known)) if known else (None, None)
 
 
 def _summary(cols: MetricColumns) -> tuple[object, ...]:
     """The plain columns beside the packed data: what readers filter blocks on."""
-    ranks, steps, times = _known(cols.rank), _known(cols.step), _known(cols.time)
     n = len(cols)
-    losses = cast("Sequence[float]", cols.loss)
-    if cols.stage.count("train") == n and None not in losses and _finite(sum(losses)):
+    step_lo, step_hi = _span(cols.step)
+    try:
+        usual = cols.stage.count("train") == n and _finite(sum(cast("Sequence[float]", cols.loss)))
+    except TypeError:  # a missing loss
+        usual = False
+    if usual:
         # the usual chunk: training iterations, every loss finite (a finite sum says so)
-        t_steps, t_epochs = steps, _known(cols.epoch)
+        t_step, t_epoch = step_hi, _span(cols.epoch)[1]
     else:
         trained = [
             (s, e)
             for st, s, e, loss in zip(cols.stage, cols.step, cols.epoch, cols.loss)
             if st == "train" and loss is not None and -_INF < loss < _INF
         ]
-        t_steps = [s for s, _ in trained if s is not None]
-        t_epochs = [e for _, e in trained if e is not None]
+        t_step = _span([s for s, _ in trained])[1]
+        t_epoch = _span([e for _, e in trained])[1]
     return (
         min(cols.offset),
         max(cols.offset),
-        len(cols),
-        min(ranks) if ranks else None,  # type: ignore[type-var]
-        max(ranks) if ranks else None,  # type: ignore[type-var]
-        min(steps) if steps else None,  # type: ignore[type-var]
-        max(steps) if steps else None,  # type: ignore[type-var]
-        min(times) if times else None,  # type: ignore[type-var]
-        max(times) if times else None,  # type: ignore[type-var]
-        max(t_steps) if t_steps else None,  # type: ignore[type-var]
-        max(t_epochs) if t_epochs else None,  # type: ignore[type-var]
+        n,
+        *_span(cols.rank),
+        step_lo,
+        step_hi,
+        *_span(cols.time),
+        t_step,
+        t_epoch,
     )
 
 
