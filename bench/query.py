@@ -55,7 +55,7 @@ def build(base: Path, target_events: int) -> tuple[Path, dict[str, Any]]:
         conn.execute("ANALYZE")
         facts = {
             "events": conn.execute("SELECT count(*) FROM events").fetchone()[0],
-            "metrics": conn.execute("SELECT count(*) FROM metrics").fetchone()[0],
+            "metrics": conn.execute("SELECT coalesce(sum(n), 0) FROM metric_blocks").fetchone()[0],
             "incidents": conn.execute(
                 "SELECT count(*) FROM incidents WHERE status != 'merged'"
             ).fetchone()[0],

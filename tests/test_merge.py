@@ -35,9 +35,16 @@ def merge(fleet: Path, *dbs: Path) -> dict[str, Any]:
 
 def counts(db: Path) -> tuple[int, ...]:
     with sqlite3.connect(db) as conn:
+        # metrics: iterations, packed in blocks
         return tuple(
-            conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-            for t in ("runs", "sources", "events", "metrics", "incidents")
+            conn.execute(sql).fetchone()[0]
+            for sql in (
+                "SELECT count(*) FROM runs",
+                "SELECT count(*) FROM sources",
+                "SELECT count(*) FROM events",
+                "SELECT coalesce(sum(n), 0) FROM metric_blocks",
+                "SELECT count(*) FROM incidents",
+            )
         )
 
 

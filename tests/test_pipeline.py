@@ -39,11 +39,11 @@ def test_scan_twice_adds_nothing(tmp_path: Path, db: Path) -> None:
     run.write()
     scan(db, str(run.work_dir))
     n = count(db, "SELECT count(*) FROM events")
-    m = count(db, "SELECT count(*) FROM metrics")
+    m = count(db, "SELECT sum(n) FROM metric_blocks")
     assert n > 0 and m > 0
     scan(db, str(run.work_dir))
     assert count(db, "SELECT count(*) FROM events") == n
-    assert count(db, "SELECT count(*) FROM metrics") == m
+    assert count(db, "SELECT sum(n) FROM metric_blocks") == m
     assert count(db, "SELECT count(*) FROM incidents") == 1
 
 

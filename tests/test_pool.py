@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,12 @@ from nanwatch.detect.pool import usable_workers
 from nanwatch.pipeline import Pipeline
 from nanwatch.simulate import npu_oom_traceback, seed_scenario
 from nanwatch.store import Store
+from nanwatch.store.metrics import Metrics
 
 TABLES = {
     "events": "SELECT e.id, e.kind, e.time, s.path, e.offset, e.key, e.line, e.rank, "
     "e.local_rank, e.node, e.epoch, e.iter, e.step, e.stage, e.device, e.message, e.fields, "
     "e.incident_id FROM events e JOIN sources s ON s.id = e.source_id ORDER BY e.id",
-    "metrics": "SELECT m.id, s.path, m.offset, m.rank, m.step, m.epoch, m.iter, m.stage, "
-    "m.time, m.loss, m.grad_norm, m.step_time, m.data_time, m.lr, m.memory FROM metrics m "
-    "JOIN sources s ON s.id = m.source_id ORDER BY m.id",
     "incidents": "SELECT id, kind, title, status, ranks, first_time, last_time, event_count, "
     "origin, hints FROM incidents ORDER BY id",
     "sources": "SELECT path, gen, offset, head_hash, tail_hash, ctx, status FROM sources "
@@ -40,9 +39,17 @@ def scan(db: Path, path: Path) -> dict[str, list[Any]]:
         store.close()
     conn = sqlite3.connect(db)
     try:
-        return {name: conn.execute(sql).fetchall() for name, sql in TABLES.items()}
+        got = {name: conn.execute(sql).fetchall() for name, sql in TABLES.items()}
+        paths = dict(conn.execute("SELECT id, path FROM sources").fetchall())
     finally:
         conn.close()
+    store = Store.open(db, readonly=True)
+    try:
+        # every stored iteration, in the order it was stored, with its file
+        got["metrics"] = [(paths[m.source_id], *astuple(m)[3:]) for m in Metrics(store).rows()]
+    finally:
+        store.close()
+    return got
 
 
 def test_parallel_scan_stores_what_a_serial_scan_stores(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
 import sqlite3
 import time
@@ -19,6 +20,7 @@ from nanwatch.errors import ConfigError
 from nanwatch.events import Event, Metric, format_utc
 from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
+from nanwatch.store.metrics import Metrics
 from nanwatch.store.retention import Housekeeper
 
 from .test_sources import nan_line, ok_line
@@ -91,7 +93,7 @@ def test_retention_deletes_old_rows_keeps_incidents_and_shrinks_the_file(db: Pat
     )
     store.execute("UPDATE events SET incident_id = 1 WHERE id IN (1, 2)")
     store.execute("UPDATE events SET incident_id = 2 WHERE id = 3")
-    # metric rows are aged by marks: all 20000 existed 100 days ago
+    # metric blocks are aged by marks: all 20000 iterations existed 100 days ago
     store.add_metric_mark(now - 100 * DAY, keep=90 * DAY)
     size_before = db.stat().st_size + Path(f"{db}-wal").stat().st_size
     store.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -111,7 +113,7 @@ def test_retention_deletes_old_rows_keeps_incidents_and_shrinks_the_file(db: Pat
     kept = [r[0] for r in store.conn.execute("SELECT id FROM events ORDER BY id")]
     assert kept == [1, 2, 3001, 3002, 3003, 3004, 3005]
     assert store.conn.execute("SELECT id FROM incidents").fetchall() == [(1,)]
-    assert store.conn.execute("SELECT count(*) FROM metrics").fetchone()[0] == 0
+    assert Metrics(store).count() == 0
     assert hk.deleted == {"events": 2998, "incidents": 1, "metrics": 20000}
     store.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert store.conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
@@ -129,22 +131,33 @@ def test_retention_keeps_young_metrics_and_everything_without_keep(db: Path) -> 
     # marks begin when retention is switched on: rows are never aged before a mark says so
     hk = Housekeeper(store, StoreConfig(keep=90 * DAY))
     _run_pass(hk, now)
-    assert store.conn.execute("SELECT count(*) FROM metrics").fetchone()[0] == 100
+    assert Metrics(store).count() == 100
     assert store.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 0
     marks = json.loads(store.meta_get("retention_marks") or "[]")
-    assert marks == [[pytest.approx(now), 100]]
+    assert marks == [[pytest.approx(now), 1]]  # the highest metric block then
     store.close()
 
 
 def test_max_size_trims_oldest_metrics_then_events(db: Path) -> None:
     now = time.time()
     store = Store.open(db)
-    _fill(store, old=0, young=4000, now=now, metrics=30000)
+    _fill(store, old=0, young=4000, now=now, metrics=0)
+    # numbers that do not compress, so that the metrics outweigh the events (as they do)
+    rng = random.Random(1)
+    with store.transaction():
+        store.insert_metrics(
+            1,
+            1,
+            [
+                Metric(i, 0, i, None, i, "train", None, loss=rng.random(), step_time=rng.random())
+                for i in range(100000)
+            ],
+        )
     used = store.size_info()["used"]
     hk = Housekeeper(store, StoreConfig(max_size=used // 3))
     _run_pass(hk, now)
     assert store.size_info()["used"] <= used // 3
-    assert store.conn.execute("SELECT count(*) FROM metrics").fetchone()[0] == 0
+    assert Metrics(store).count() == 0
     left = [r[0] for r in store.conn.execute("SELECT id FROM events ORDER BY id")]
     assert left and left == list(range(4001 - len(left), 4001))  # the newest stay
     store.close()

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "show": ("browse", "show", "Tell one incident's story: root cause, timeline, hints."),
     "events": ("browse", "events", "List detected events, oldest first."),
     "runs": ("browse", "runs", "List runs (one training launch each) and their facts."),
+    "metrics": ("metrics", "metrics", "List logged iterations: loss, grad norm, step time..."),
     "ack": ("triage", "ack", "Acknowledge an incident: who is on it, since when."),
     "resolve": ("triage", "resolve", "Resolve an incident by hand, with a note."),
     "demo": ("demo", "demo", "Replay a multi-rank training run that goes wrong, live."),

@@ -226,5 +226,5 @@ def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: i
         output.write_bytes(png)
     except OSError as e:
         raise NanwatchError(f"{output}: cannot write the picture ({e.strerror})") from None
-    ranks = {r["rank"] for r in rows if r["series"] == "current"}
+    ranks = {r.rank for r in rows if r.series == "current"}
     click.echo(f"Wrote {output} ({len(png)} bytes, {len(ranks)} rank(s)).")

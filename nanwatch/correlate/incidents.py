@@ -30,6 +30,7 @@ from ..events import format_utc, now_utc
 from ..store.db import Store
 from ..store.events import Events, MetricReads
 from ..store.incidents import Incidents, IncidentUpdate, NewIncident, StatusChange
+from ..store.metrics import Metrics
 from ..store.records import JSON, Incident, StoredEvent
 from . import effects, samples, slowdown
 from .chains import (
@@ -147,27 +148,13 @@ class Correlator:
 
     def _slowdowns(self) -> None:
         """Slowdown events for runs with new step times (and the runs compared with them)."""
-        upto = int(self.store.meta_get("slowdown_metrics_upto", "0") or 0)
-        newest = self.metrics.newest_id() or 0
-        if newest <= upto:
-            return
-        runs = self.metrics.runs_after(upto)
-        # the slowdown module reads step times through its own connection argument
-        conn = self.store.conn
-        for run_id in list(runs):
-            runs.update(slowdown.later_runs(conn, run_id))
-        cache: dict[int, list[slowdown.Point]] = {}
         with self.store.transaction():
-            for run_id in sorted(runs):
-                finding = slowdown.find(conn, run_id, cache)
-                if finding is None:
-                    continue
+            for run_id, finding in slowdown.Tracker(Metrics(self.store)).update():
                 if self.events.run_has_kind(run_id, "slowdown"):
                     continue  # one finding per run; its incident tracks what follows
                 self.store.insert_events(
                     run_id, finding.at.source_id, [slowdown.to_event(finding)], now_utc()
                 )
-            self.store.meta_set("slowdown_metrics_upto", str(newest))
 
     # -- one batch -------------------------------------------------------------------------------
 

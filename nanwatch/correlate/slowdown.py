@@ -1,83 +1,61 @@
 """Slowdowns: a sustained rise of step time, against the run's own baseline or the previous run.
 
-Step times come from the ``metrics`` table (training iterations only; validation is excluded).
-Per logged step the median over ranks is taken, the first iterations (warm-up) are skipped,
-and rolling medians absorb jitter. A run is slow when the median of a window of consecutive
-steps is at least ``THRESHOLD`` times its baseline: the median of its own first steady steps,
-or, when the whole run is slow from its start, the median of the previous run of the same
-experiment (same work_dir / config name), even if the two were scanned separately.
+Step times are training iterations' (validation is excluded), read once: each pass feeds only
+the metric blocks stored since the last one into rolling statistics kept per (run, rank) in
+the store (``step_stats``), so a long run's history is never read again.
+
+Per rank: the first ``SKIP`` logged steps (warm-up: compilation, caches) are skipped, the
+median of the next ``WINDOW`` is the rank's baseline, and a rolling window of the last
+``WINDOW`` steps after it is slow when its median is at least ``THRESHOLD`` times the baseline
+(and ``MIN_INCREASE`` seconds above it): at least half of the window is at or above that
+mark, which a running count tells without sorting. A run is slow when most of its ranks are;
+its finding is the one by whose step that majority was slow. When the whole run is slow from
+its start, its baseline is compared with the previous run of the same experiment (same
+work_dir / config name), even if the two were scanned separately.
+A step a rank already logged (the same lines in the log file and the captured stdout) counts
+once.
 """
 
 from __future__ import annotations
 
-import sqlite3
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from statistics import median
-from typing import Any
+from typing import NamedTuple
 
 from ..events import Event
+from ..store.metrics import MISSING, Block, Metrics
+from ..store.records import JSON
 
 THRESHOLD = 1.5
 MIN_INCREASE = 0.05  # seconds per step: millisecond steps jitter by 50% without meaning much
-MIN_POINTS = 6
+SKIP = 2  # warm-up steps
+WINDOW = 9  # steps in the baseline and in the rolling window (odd: its median is one of them)
+META_KEY = "slowdown_blocks_upto"
 
 
-def _slow(current: float, baseline: float) -> bool:
-    return current >= THRESHOLD * baseline and current - baseline >= MIN_INCREASE
+def _mark(baseline: float) -> float:
+    """The step time from which a step counts as slow against ``baseline``."""
+    return max(THRESHOLD * baseline, baseline + MIN_INCREASE)
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
+    """A logged training step (a tuple: a scan makes one per iteration line)."""
+
     step: int
     seconds: float
-    source_id: int
+    source_id: int | None
     offset: int
     epoch: int | None
     iter: int | None
     time: str | None
 
+    def to_json(self) -> list[JSON]:
+        return list(self)
 
-def series(
-    conn: sqlite3.Connection, run_id: int, cache: dict[int, list[Point]] | None = None
-) -> list[Point]:
-    """Median step time per logged training step (over ranks), in step order.
-
-    Rows are read in the order of the ``metrics_run`` index (rank, step), with no sort and
-    without holding them: a long run has millions. Within a step the ranks come in order, so
-    the step's first row (its place) is its lowest rank's, as with ``ORDER BY step, rank``.
-    ``cache`` keeps the series of one pass (a run is also its successor's baseline).
-    """
-    if cache is not None and run_id in cache:
-        return cache[run_id]
-    rows = conn.execute(
-        "SELECT step, step_time, source_id, offset, epoch, iter, time FROM metrics "
-        "WHERE run_id = ? AND stage = 'train' AND step_time IS NOT NULL AND step IS NOT NULL "
-        "AND step_time > 0 ORDER BY rank, step",
-        (run_id,),
-    )
-    seconds: dict[int, list[float]] = {}
-    first: dict[int, tuple[Any, ...]] = {}
-    for r in rows:
-        got = seconds.get(r[0])
-        if got is None:
-            seconds[r[0]] = [r[1]]
-            first[r[0]] = r
-        else:
-            got.append(r[1])
-    out = [Point(step, median(seconds[step]), *first[step][2:]) for step in sorted(seconds)]
-    if cache is not None:
-        cache[run_id] = out
-    return out
-
-
-def steady(points: list[Point]) -> list[Point]:
-    """Without warm-up: the first few logged steps (compilation, caches) are slower."""
-    skip = max(2, len(points) // 20)
-    return points[skip:] if len(points) > skip + MIN_POINTS - 2 else points[1:]
-
-
-def window(n: int) -> int:
-    return max(5, min(20, n // 5))
+    @classmethod
+    def from_json(cls, v: list[JSON]) -> Point:
+        return cls(*v)
 
 
 @dataclass(frozen=True)
@@ -89,84 +67,145 @@ class Finding:
     against: str  # "own" or the previous run's name
 
 
-def own_baseline_finding(points: list[Point]) -> Finding | None:
-    pts = steady(points)
-    if len(pts) < MIN_POINTS:
-        return None
-    k = window(len(pts))
-    base = median(p.seconds for p in pts[:k])
-    if base <= 0:
-        return None
-    for i in range(k, len(pts) - k + 1):
-        cur = median(p.seconds for p in pts[i : i + k])
-        if _slow(cur, base):
-            # the first step of the slow stretch
-            start = next((p for p in pts[i : i + k] if _slow(p.seconds, base)), pts[i])
-            return Finding(start, cur / base, base, cur, "own")
-    return None
+@dataclass
+class RankStats:
+    """One rank's rolling statistics (what ``step_stats`` keeps as JSON)."""
+
+    last: int | None = None  # the highest step taken
+    warm: list[float] = field(default_factory=list)  # the first SKIP + WINDOW step times
+    first: Point | None = None  # the first step after the warm-up
+    base: float | None = None
+    window: list[Point] = field(default_factory=list)  # the last WINDOW steps after the baseline
+    found: Finding | None = None
+
+    def add(self, p: Point) -> None:
+        if self.last is not None and p.step <= self.last:
+            return  # logged already (another copy of the same lines) or out of order
+        self.last = p.step
+        if self.found is not None:
+            return
+        if self.base is None:
+            self.warm.append(p.seconds)
+            if len(self.warm) == SKIP + 1:
+                self.first = p
+            if len(self.warm) == SKIP + WINDOW:
+                self.base = median(self.warm[SKIP:])
+            return
+        self.window.append(p)
+        if len(self.window) > WINDOW:
+            del self.window[0]
+        if len(self.window) < WINDOW:
+            return
+        mark = _mark(self.base)
+        # only a slow step can make the window slow: the others need no count
+        if p.seconds >= mark and sum(1 for q in self.window if q.seconds >= mark) * 2 > WINDOW:
+            cur = median(q.seconds for q in self.window)
+            start = next(q for q in self.window if q.seconds >= mark)
+            self.found = Finding(start, cur / self.base, self.base, cur, "own")
+
+    def to_json(self) -> JSON:
+        f = self.found
+        return {
+            "last": self.last,
+            "warm": self.warm if self.base is None else [],
+            "first": self.first.to_json() if self.first else None,
+            "base": self.base,
+            "window": [] if f else [q.to_json() for q in self.window],
+            "found": [f.at.to_json(), f.ratio, f.baseline, f.current] if f else None,
+        }
+
+    @classmethod
+    def from_json(cls, v: Mapping[str, JSON]) -> RankStats:
+        f = v.get("found")
+        return cls(
+            last=v.get("last"),
+            warm=list(v.get("warm") or []),
+            first=Point.from_json(v["first"]) if v.get("first") else None,
+            base=v.get("base"),
+            window=[Point.from_json(q) for q in v.get("window") or []],
+            found=Finding(Point.from_json(f[0]), f[1], f[2], f[3], "own") if f else None,
+        )
 
 
-def previous_run_finding(
-    points: list[Point], previous: list[Point], previous_name: str
-) -> Finding | None:
-    pts, prev = steady(points), steady(previous)
-    if len(pts) < MIN_POINTS or len(prev) < MIN_POINTS:
-        return None
-    base = median(p.seconds for p in prev)
-    k = window(len(pts))
-    cur = median(p.seconds for p in pts[:k])
-    if base > 0 and _slow(cur, base):
-        return Finding(pts[0], cur / base, base, cur, previous_name)
-    return None
+def feed(stats: dict[int, RankStats], block: Block) -> None:
+    """Take a block's training step times into its run's per-rank statistics."""
+    c = block.columns
+    for rank, step, stage, sec, offset, epoch, it, when in zip(
+        c.rank, c.step, c.stage, c.step_time, c.offset, c.epoch, c.iter, c.time
+    ):
+        if stage != "train" or step is None or sec is None or not sec > 0:
+            continue
+        key = MISSING if rank is None else rank
+        st = stats.get(key)
+        if st is None:
+            st = stats[key] = RankStats()
+        st.add(Point(step, sec, block.source_id, offset, epoch, it, when))
 
 
-def previous_run(conn: sqlite3.Connection, run_id: int) -> tuple[int, str] | None:
-    """The latest other run of the same experiment that started before this one."""
-    row = conn.execute(
-        "SELECT experiment, (SELECT min(time) FROM metrics WHERE run_id = runs.id) "
-        "FROM runs WHERE id = ?",
-        (run_id,),
-    ).fetchone()
-    if not row or not row[0] or not row[1]:
-        return None
-    experiment, start = row
-    prev = conn.execute(
-        "SELECT r.id, r.name FROM runs r WHERE r.experiment = ? AND r.id != ? AND "
-        "(SELECT min(time) FROM metrics m WHERE m.run_id = r.id) < ? "
-        "ORDER BY (SELECT min(time) FROM metrics m WHERE m.run_id = r.id) DESC LIMIT 1",
-        (experiment, run_id, start),
-    ).fetchone()
-    return (int(prev[0]), str(prev[1])) if prev else None
+class Tracker:
+    """The rolling statistics of every run, brought up to date from the store's new blocks."""
 
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._stats: dict[int, dict[int, RankStats]] = {}
 
-def later_runs(conn: sqlite3.Connection, run_id: int) -> list[int]:
-    """Runs of the same experiment that started after this one (they compare against it)."""
-    rows = conn.execute(
-        "SELECT r.id FROM runs r, runs me WHERE me.id = ? AND r.experiment = me.experiment "
-        "AND r.id != me.id AND me.experiment IS NOT NULL",
-        (run_id,),
-    ).fetchall()
-    return [int(r[0]) for r in rows]
+    def stats(self, run_id: int) -> dict[int, RankStats]:
+        got = self._stats.get(run_id)
+        if got is None:
+            saved = self.metrics.rolling_state(run_id)
+            got = self._stats[run_id] = {r: RankStats.from_json(s) for r, s in saved.items()}
+        return got
 
+    def update(self) -> list[tuple[int, Finding]]:
+        """Feed the blocks stored since the last update (in the caller's transaction); the
+        findings of the runs that moved on and of the runs compared with them."""
+        store = self.metrics.store
+        upto = int(store.meta_get(META_KEY, "0") or 0)
+        newest = self.metrics.last_block()
+        if newest <= upto:
+            return []
+        moved: set[int] = set()
+        for block in self.metrics.blocks_after(upto):
+            if block.run_id is None:
+                continue
+            feed(self.stats(block.run_id), block)
+            moved.add(block.run_id)
+        for run_id in sorted(moved):
+            self.metrics.save_rolling_state(
+                run_id, {r: s.to_json() for r, s in self.stats(run_id).items()}
+            )
+        store.meta_set(META_KEY, str(newest))
+        runs = set(moved)
+        for run_id in moved:
+            runs.update(self.metrics.later_runs(run_id))
+        out = []
+        for run_id in sorted(runs):
+            f = self.find(run_id)
+            if f is not None:
+                out.append((run_id, f))
+        return out
 
-def find(
-    conn: sqlite3.Connection, run_id: int, cache: dict[int, list[Point]] | None = None
-) -> Finding | None:
-    points = series(conn, run_id, cache)
-    if len(points) < MIN_POINTS:
-        return None
-    candidates = []
-    prev = previous_run(conn, run_id)
-    if prev is not None:
-        f = previous_run_finding(points, series(conn, prev[0], cache), prev[1])
-        if f is not None:
-            candidates.append(f)
-    f = own_baseline_finding(points)
-    if f is not None:
-        candidates.append(f)
-    if not candidates:
-        return None
-    return min(candidates, key=lambda c: c.at.step)
+    def find(self, run_id: int) -> Finding | None:
+        ranks = [s for s in self.stats(run_id).values() if s.base is not None]
+        if not ranks:
+            return None
+        prev = self.metrics.previous_run(run_id)
+        prev_base: float | None = None
+        if prev is not None:
+            bases = [s.base for s in self.stats(prev[0]).values() if s.base is not None]
+            prev_base = median(bases) if bases else None
+        found: list[Finding] = []
+        for s in ranks:
+            assert s.base is not None
+            if prev is not None and prev_base and s.first and s.base >= _mark(prev_base):
+                found.append(Finding(s.first, s.base / prev_base, prev_base, s.base, prev[1]))
+            elif s.found is not None:
+                found.append(s.found)
+        need = len(ranks) // 2 + 1  # most ranks
+        if len(found) < need:
+            return None
+        found.sort(key=lambda f: (f.at.step, f.at.offset))
+        return found[need - 1]
 
 
 def to_event(f: Finding) -> Event:

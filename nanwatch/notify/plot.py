@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import NanwatchError
 from ..events import parse_utc, ranks_text
 from ..render import where_text
-from .plot_rows import finite, metrics_for
+from .plot_rows import PlotRow, finite, metrics_for
 
-__all__ = ["PlotUnavailable", "build_figure", "metrics_for", "render_png"]
+__all__ = ["PlotRow", "PlotUnavailable", "build_figure", "metrics_for", "render_png"]
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -57,7 +57,7 @@ def _when(text: Any) -> _dt.datetime | None:
         return None
 
 
-def _panels(kind: Any, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def _panels(kind: Any, rows: Sequence[PlotRow]) -> list[str]:
     """The columns to draw, in order; a column no row carries is left out."""
     if kind == "slowdown":
         wanted = ["step_time", "data_time"]
@@ -66,7 +66,7 @@ def _panels(kind: Any, rows: Sequence[Mapping[str, Any]]) -> list[str]:
     else:
         wanted = ["loss", "grad_norm", "step_time"]
     # a NaN loss is stored as NULL: a column that is NULL everywhere may still be the story
-    got = [c for c in wanted if any(r.get(c) is not None for r in rows)]
+    got = [c for c in wanted if any(r.value(c) is not None for r in rows)]
     return got or wanted[:1]
 
 
@@ -79,10 +79,10 @@ def _origin_label(kind: Any, origin: Mapping[str, Any]) -> str:
     return f"{head}: {where}" if where else head
 
 
-def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Figure:
+def build_figure(incident: Mapping[str, Any], rows: Sequence[PlotRow]) -> Figure:
     """The picture as a matplotlib Figure (tests inspect it); PlotUnavailable without
     matplotlib or without metrics of the incident's own run."""
-    current = [r for r in rows if r.get("series", "current") == "current"]
+    current = [r for r in rows if r.series == "current"]
     if not current:
         raise PlotUnavailable(
             f"incident {incident.get('id')}: its run has no training metrics (loss, grad norm, "
@@ -97,10 +97,10 @@ def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]])
         ) from None
     kind = incident.get("kind")
     origin = incident.get("origin") or {}
-    baseline = [r for r in rows if r.get("series") == "baseline"]
+    baseline = [r for r in rows if r.series == "baseline"]
     cols = _panels(kind, current)
     # validation does not advance the step: only a time axis shows it as a span
-    by_time = kind == "oom" and all(_when(r.get("time")) for r in current)
+    by_time = kind == "oom" and all(_when(r.time) for r in current)
 
     fig = Figure(figsize=(9, 2.3 * len(cols) + 1.6), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -122,7 +122,7 @@ def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]])
                 linewidth=1,
                 label=_origin_label(kind, origin) if i == 0 else "_origin",
             )
-    oom = next((r for r in rows if r.get("series") == "oom"), None)
+    oom = next((r for r in rows if r.series == "oom"), None)
     if oom is not None and "memory" in cols:
         _oom_marks(axes[cols.index("memory")], oom, mark)
     if kind == "slowdown" and "data_time" in cols:
@@ -159,15 +159,15 @@ def build_figure(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]])
 def _draw_ranks(
     axes: Sequence[Axes],
     cols: Sequence[str],
-    current: Sequence[Mapping[str, Any]],
-    baseline: Sequence[Mapping[str, Any]],
+    current: Sequence[PlotRow],
+    baseline: Sequence[PlotRow],
     origin: Mapping[str, Any],
     by_time: bool,
 ) -> list[Any]:
     """One line per rank and panel; returns the current run's ranks (origin first)."""
-    by_rank: dict[Any, list[Mapping[str, Any]]] = {}
+    by_rank: dict[Any, list[PlotRow]] = {}
     for r in current:
-        by_rank.setdefault(r["rank"], []).append(r)
+        by_rank.setdefault(r.rank, []).append(r)
     ranks = sorted(by_rank, key=lambda k: (k is None, k if k is not None else 0))
     hot = origin.get("rank")
     if hot is not None and hot in by_rank:
@@ -177,9 +177,9 @@ def _draw_ranks(
         hot = None
     shown = ranks[:MAX_RANKS]
     named = [r for r in shown if r is not None]
-    base_ranks: dict[Any, list[Mapping[str, Any]]] = {}
+    base_ranks: dict[Any, list[PlotRow]] = {}
     for r in baseline:
-        base_ranks.setdefault(r["rank"], []).append(r)
+        base_ranks.setdefault(r.rank, []).append(r)
     # runs of one experiment share the work_dir part of their names: the rest tells them apart
     base_name = str(origin.get("against") or "").rsplit("/", 1)[-1]
     base_text = ranks_text(r for r in base_ranks if r is not None)
@@ -192,18 +192,18 @@ def _draw_ranks(
             if by_time:
                 # memory is logged in validation too; the other numbers are training's
                 pts = sorted(
-                    (p for p in pts if col == "memory" or p.get("stage") in (None, "train")),
-                    key=lambda p: str(p["time"]),
+                    (p for p in pts if col == "memory" or p.stage in (None, "train")),
+                    key=lambda p: str(p.time),
                 )
-                xs: list[Any] = [_when(p["time"]) for p in pts if finite(p[col])]
+                xs: list[Any] = [_when(p.time) for p in pts if finite(p.value(col))]
             else:
-                pts = [p for p in pts if p.get("stage") in (None, "train")]
-                xs = [p["step"] for p in pts if finite(p[col])]
-            ys = [p[col] for p in pts if finite(p[col])]
+                pts = [p for p in pts if p.stage in (None, "train")]
+                xs = [p.step for p in pts if finite(p.value(col))]
+            ys: list[Any] = [p.value(col) for p in pts if finite(p.value(col))]
             # SQLite stores NaN as NULL: a logged row without the value was non-finite
             if xs and col in ("loss", "grad_norm"):
                 bad_x += [
-                    _when(p["time"]) if by_time else p["step"] for p in pts if not finite(p[col])
+                    _when(p.time) if by_time else p.step for p in pts if not finite(p.value(col))
                 ]
             if hot is not None and rank == hot:
                 style: dict[str, Any] = {"color": _ORIGIN, "linewidth": 1.8, "zorder": 3}
@@ -225,12 +225,14 @@ def _draw_ranks(
             line.set_gid(f"rank {rank}")
         first_base = True
         for rank, pts in sorted(base_ranks.items(), key=lambda kv: str(kv[0])):
-            pts = [p for p in pts if finite(p[col])]
+            pts = [p for p in pts if finite(p.value(col))]
             label = f"baseline run {base_name} (ranks {base_text})" if first_base else "_baseline"
             first_base = False
+            bx: list[Any] = [p.step for p in pts]
+            by: list[Any] = [p.value(col) for p in pts]
             (line,) = ax.plot(
-                [p["step"] for p in pts],
-                [p[col] for p in pts],
+                bx,
+                by,
                 color=_ORIGIN,
                 linewidth=0.8,
                 alpha=0.7,
@@ -252,13 +254,13 @@ def _draw_ranks(
 
 
 def _shade_validation(
-    axes: Sequence[Axes], rows: Sequence[Mapping[str, Any]], origin: Mapping[str, Any]
+    axes: Sequence[Axes], rows: Sequence[PlotRow], origin: Mapping[str, Any]
 ) -> tuple[Any, Any] | None:
     """Shade each stretch of validation/test rows: from the last training row before it
     (validation starts when training stops; its first line comes an interval later) to its
     last row, or to the origin's time when the origin is in it and comes later. Returns the
     stretch the origin is in."""
-    marks = sorted({(_when(r["time"]), r.get("stage") or "train") for r in rows})
+    marks = sorted({(_when(r.time), r.stage or "train") for r in rows})
     spans: list[list[Any]] = []  # [start, end, closed by, stage]
     prev_train = None
     for when, stage in marks:
@@ -303,18 +305,18 @@ def _zoom(ax: Axes, start: _dt.datetime, end: _dt.datetime) -> None:
     ax.set_xlim(left, end + width * 0.3)  # type: ignore[arg-type]
 
 
-def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
+def _oom_marks(ax: Axes, oom: PlotRow, at: Any) -> None:
     """At the failure: what was allocated, what was asked for on top, the device's total."""
-    if at is None:
+    if at is None or oom.allocated is None:
         return
-    allocated = float(oom["allocated"])
-    if finite(oom.get("total")):
+    allocated = oom.allocated
+    if oom.total is not None and finite(oom.total):
         ax.axhline(
-            oom["total"],
+            oom.total,
             color="0.3",
             linestyle=":",
             linewidth=1.2,
-            label=f"device total {oom['total'] / 1024:.3g} GiB",
+            label=f"device total {oom.total / 1024:.3g} GiB",
         )
     ax.scatter(
         [at],
@@ -325,15 +327,15 @@ def _oom_marks(ax: Axes, oom: Mapping[str, Any], at: Any) -> None:
         zorder=5,
         label=f"allocated at the failure {allocated / 1024:.3g} GiB",
     )
-    if finite(oom.get("bytes_requested")):
+    if oom.bytes_requested is not None and finite(oom.bytes_requested):
         ax.vlines(
             at,
             allocated,
-            allocated + float(oom["bytes_requested"]),
+            allocated + oom.bytes_requested,
             color=_MARK,
             linewidth=4,
             zorder=5,
-            label=f"tried to allocate {oom['bytes_requested'] / 1024:.3g} GiB",
+            label=f"tried to allocate {oom.bytes_requested / 1024:.3g} GiB",
         )
 
 
@@ -383,7 +385,7 @@ def _title(fig: Figure, text: str) -> None:
         title.set_text("\n".join(lines))
 
 
-def render_png(incident: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bytes:
+def render_png(incident: Mapping[str, Any], rows: Sequence[PlotRow]) -> bytes:
     """The picture as PNG bytes; PlotUnavailable without matplotlib or metrics."""
     fig = build_figure(incident, rows)
     buf = io.BytesIO()

@@ -1,8 +1,8 @@
 """The rows `nanwatch plot` draws: metrics of an incident's run around its origin, its
 baseline run's for a slowdown, and the allocator's numbers for an out-of-memory incident.
 
-Plain dicts, one per logged iteration (``series`` tells which run, or ``"oom"``), so that the
-Slack sink can read them with the store open and draw them later.
+Frozen :class:`PlotRow` records, one per logged iteration (``series`` tells which run, or
+``"oom"``), so that the Slack sink can read them with the store open and draw them later.
 """
 
 from __future__ import annotations
@@ -11,24 +11,42 @@ import json
 import math
 import sqlite3
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from ..store.metrics import Metrics
 
 BEFORE = 200  # steps shown before the origin
 AFTER = 100
-_COLUMNS = (
-    "rank",
-    "step",
-    "stage",
-    "time",
-    "loss",
-    "grad_norm",
-    "step_time",
-    "data_time",
-    "memory",
-)
+LIMIT = 50000  # rows per series
 
 
-def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class PlotRow:
+    """One point of a plot: a logged iteration's numbers, or (``series="oom"``) what the
+    allocator said when it failed, in MiB like mmengine's ``memory``."""
+
+    series: str  # "current", "baseline" or "oom"
+    rank: int | None
+    step: int | None
+    stage: str | None
+    time: str | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_time: float | None = None
+    data_time: float | None = None
+    memory: float | None = None
+    allocated: float | None = None
+    reserved: float | None = None
+    total: float | None = None
+    bytes_requested: float | None = None
+
+    def value(self, column: str) -> float | None:
+        v: float | None = getattr(self, column)
+        return v
+
+
+def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[PlotRow]:
     """Metric rows of the incident's run around its origin (every rank, every stage), and for a
     slowdown measured against another run, that run's training rows over the same steps
     (``series`` is ``"baseline"`` on those, ``"current"`` on the others)."""
@@ -38,18 +56,17 @@ def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[d
     if row is None or row[0] is None:
         return []
     run_id = row[0]
+    metrics = Metrics.reading(conn)
     origin = incident.get("origin") or {}
     step = origin.get("step")
     if step is None:
-        last = conn.execute(
-            "SELECT max(step) FROM metrics WHERE run_id = ? AND step IS NOT NULL", (run_id,)
-        ).fetchone()[0]
+        last = metrics.last_step(run_id)
         if last is None:
             return []
         lo, hi = last - BEFORE - AFTER, last
     else:
         lo, hi = step - BEFORE, step + AFTER
-    out = _rows(conn, run_id, lo, hi, "current", train_only=False)
+    out = _rows(metrics, run_id, lo, hi, "current", train_only=False)
     if incident.get("kind") == "oom":
         out += _oom_row(conn, incident)
     against = origin.get("against")
@@ -59,23 +76,35 @@ def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[d
             (against, run_id),
         ).fetchone()
         if base is not None:
-            out += _rows(conn, base[0], lo, hi, "baseline", train_only=True)
+            out += _rows(metrics, base[0], lo, hi, "baseline", train_only=True)
     return out
 
 
 def _rows(
-    conn: sqlite3.Connection, run_id: int, lo: int, hi: int, series: str, *, train_only: bool
-) -> list[dict[str, Any]]:
-    stage = "AND (stage IS NULL OR stage = 'train') " if train_only else ""
-    cur = conn.execute(
-        f"SELECT {', '.join(_COLUMNS)} FROM metrics WHERE run_id = ? AND step BETWEEN ? AND ? "
-        f"{stage}ORDER BY rank, step, id LIMIT 50000",
-        (run_id, lo, hi),
-    )
-    return [dict(zip(_COLUMNS, r), series=series) for r in cur]
+    metrics: Metrics, run_id: int, lo: int, hi: int, series: str, *, train_only: bool
+) -> list[PlotRow]:
+    got = [
+        PlotRow(
+            series,
+            m.rank,
+            m.step,
+            m.stage,
+            m.time,
+            m.loss,
+            m.grad_norm,
+            m.step_time,
+            m.data_time,
+            m.memory,
+        )
+        for m in metrics.rows([run_id], step_lo=lo, step_hi=hi)
+        if not train_only or m.stage in (None, "train")
+    ]
+    # by rank, then step (ties in the order they were stored), as the lines are drawn
+    got.sort(key=lambda r: (r.rank is not None, r.rank or 0, r.step or 0))
+    return got[:LIMIT]
 
 
-def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[PlotRow]:
     """What the allocator said when it failed (``series`` ``"oom"``), in MiB like mmengine's
     ``memory``: allocated, requested, device total."""
     origin = incident.get("origin") or {}
@@ -96,8 +125,7 @@ def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[dict
     }
     if "allocated" not in mib:
         return []
-    out = dict(zip(("rank", "step", "stage"), row[:3]), time=origin.get("time"), series="oom")
-    return [{**out, **mib}]
+    return [PlotRow("oom", row[0], row[1], row[2], origin.get("time"), **mib)]
 
 
 def finite(v: Any) -> bool:

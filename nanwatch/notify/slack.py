@@ -33,6 +33,7 @@ from ..events import parse_utc
 from ..store.outbox import OutboxStore
 from ..store.records import JSON, Message, MessageRef, OutboxRow
 from .outbox import Deferred, Posted
+from .plot_rows import PlotRow
 from .slack_api import (
     BAD_MESSAGE,
     CHANNEL_ID,
@@ -529,7 +530,7 @@ class SlackSink:
         return None
 
 
-def _plot_rows(db: OutboxStore, inc: Mapping[str, JSON]) -> list[dict[str, JSON]]:
+def _plot_rows(db: OutboxStore, inc: Mapping[str, JSON]) -> list[PlotRow]:
     """The metric rows of the incident's plot (the plot module reads them on a connection)."""
     from .plot import metrics_for
 

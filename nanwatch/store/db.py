@@ -17,12 +17,15 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
 from ..events import Event, now_utc
 from . import files
 from .records import EVENT_COLUMNS
+
+if TYPE_CHECKING:
+    from .metrics import MetricColumns
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -287,8 +290,12 @@ class Store:
         for number in range(version, SCHEMA_VERSION):
             self.conn.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _split(MIGRATIONS[number]):
-                    self.conn.execute(statement)
+                step = MIGRATIONS[number]
+                if callable(step):
+                    step(self.conn)
+                else:
+                    for statement in _split(step):
+                        self.conn.execute(statement)
                 self.conn.execute(f"PRAGMA user_version={number + 1}")
                 self.conn.execute("COMMIT")
             except BaseException:
@@ -575,20 +582,19 @@ class Store:
     def insert_metrics(
         self, run_id: int | None, source_id: int | None, metrics: Iterable[tuple[Any, ...]]
     ) -> int:
-        """Metrics (or plain tuples in Metric's field order: what detection workers send)."""
-        # a Metric is a tuple in the column order below
-        head = (run_id, source_id)
-        rows = [head + m for m in metrics]
-        if not rows:
-            return 0
-        before = self.conn.total_changes
-        self.conn.executemany(
-            "INSERT OR IGNORE INTO metrics(run_id, source_id, offset, rank, step, epoch, iter, "
-            "stage, time, loss, grad_norm, step_time, data_time, lr, memory) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
-        return self.conn.total_changes - before
+        """Metrics (or plain tuples in Metric's field order: what detection workers send), in
+        the caller's transaction; returns how many were new (see ``store/metrics.py``)."""
+        from .metrics import Metrics
+
+        return Metrics(self).insert(run_id, source_id, metrics)
+
+    def insert_metric_columns(
+        self, run_id: int | None, source_id: int | None, columns: MetricColumns
+    ) -> int:
+        """One chunk's metrics as parallel columns (a parser that builds columns directly)."""
+        from .metrics import Metrics
+
+        return Metrics(self).insert_columns(run_id, source_id, columns)
 
     def max_event_id(self) -> int:
         row = self.conn.execute("SELECT max(id) FROM events").fetchone()
@@ -648,15 +654,12 @@ class Store:
                 self.conn.executemany("DELETE FROM events WHERE id = ?", [(i,) for i in dead])
         return len(dead), nxt
 
-    def expire_metrics(self, upto_id: int, *, limit: int = 5000) -> int:
-        """Delete metric rows with ids up to ``upto_id``, oldest first; returns how many."""
-        with self.transaction():
-            cur = self.execute(
-                "DELETE FROM metrics WHERE id IN "
-                "(SELECT id FROM metrics WHERE id <= ? ORDER BY id LIMIT ?)",
-                (upto_id, limit),
-            )
-        return max(cur.rowcount, 0)
+    def expire_metrics(self, upto_id: int, *, limit: int = 64) -> int:
+        """Delete metric blocks with ids up to ``upto_id``, oldest first; returns how many
+        iterations went."""
+        from .metrics import Metrics
+
+        return Metrics(self).expire(upto_id, limit=limit)
 
     def expire_misc(self, before: str, before_ts: float, *, limit: int = 2000) -> int:
         """Delivered outbox rows, lapsed silences and retired sources older than the cutoff."""
@@ -673,7 +676,7 @@ class Store:
                 "DELETE FROM sources WHERE id IN (SELECT s.id FROM sources s WHERE s.status NOT "
                 "IN ('active', 'truncated', 'rotated') AND s.updated_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM events e WHERE e.source_id = s.id) AND NOT EXISTS "
-                "(SELECT 1 FROM metrics m WHERE m.source_id = s.id) LIMIT ?)",
+                "(SELECT 1 FROM metric_blocks m WHERE m.source_id = s.id) LIMIT ?)",
                 (before, limit),
             ).rowcount
         return max(n, 0)
@@ -681,13 +684,12 @@ class Store:
     def trim_oldest(self, *, limit: int = 5000) -> int:
         """Over the size cap: delete the oldest metric rows, then the oldest events that no open
         incident holds. Returns how many rows went (0: nothing left that may go)."""
+        from .metrics import Metrics
+
+        n = Metrics(self).trim_oldest(limit=max(1, limit // 1000))
+        if n > 0:
+            return n
         with self.transaction():
-            cur = self.execute(
-                "DELETE FROM metrics WHERE id IN (SELECT id FROM metrics ORDER BY id LIMIT ?)",
-                (limit,),
-            )
-            if cur.rowcount > 0:
-                return cur.rowcount
             cur = self.execute(
                 "DELETE FROM events WHERE id IN (SELECT e.id FROM events e LEFT JOIN incidents i "
                 "ON i.id = e.incident_id AND i.status = 'open' WHERE i.id IS NULL "
@@ -697,8 +699,8 @@ class Store:
         return max(cur.rowcount, 0)
 
     def metric_marks(self) -> list[tuple[float, int]]:
-        """(unix time, highest metric id then): metric rows carry no ingestion time of their
-        own, so retention ages them by these marks, written at most hourly."""
+        """(unix time, highest metric block id then): metric blocks carry no ingestion time of
+        their own, so retention ages them by these marks, written at most hourly."""
         raw = self.meta_get("retention_marks")
         return [(float(t), int(i)) for t, i in json.loads(raw)] if raw else []
 
@@ -706,7 +708,9 @@ class Store:
         marks = self.metric_marks()
         if marks and now - marks[-1][0] < every:
             return
-        top = self.conn.execute("SELECT coalesce(max(id), 0) FROM metrics").fetchone()[0]
+        from .metrics import Metrics
+
+        top = Metrics(self).last_block()
         marks.append((now, int(top)))
         # marks older than the cutoff are needed only up to the newest of them
         old = [m for m in marks if m[0] < now - keep]

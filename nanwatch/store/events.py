@@ -2,7 +2,7 @@
 id; attaching them to incidents. Every reader returns ``StoredEvent`` records (or a small record
 of its own below), never rows.
 
-``MetricReads`` holds the few questions correlation asks of the ``metrics`` table (a run's
+``MetricReads`` holds the few questions correlation asks of the logged iterations (a run's
 recovery, a relaunch that trained past an incident, the steps before a NaN): kept apart so the
 metrics module can answer them from its own storage.
 """
@@ -335,51 +335,37 @@ class Events:
 
 
 class MetricReads:
-    """What correlation asks of the logged iterations (the ``metrics`` table)."""
+    """What correlation asks of the logged iterations (stored as blocks: ``store.metrics``)."""
 
     def __init__(self, store: Store) -> None:
+        from .metrics import Metrics
+
         self._store = store
+        self._metrics = Metrics(store)
 
-    def newest_id(self) -> int | None:
-        row = self._store.conn.execute("SELECT max(id) FROM metrics").fetchone()
-        return None if row is None or row[0] is None else int(row[0])
-
-    def runs_after(self, metric_id: int) -> set[int]:
-        """Runs with iterations logged after ``metric_id``."""
-        rows = self._store.conn.execute(
-            "SELECT DISTINCT run_id FROM metrics WHERE id > ? AND run_id IS NOT NULL",
-            (metric_id,),
-        )
-        return {int(r[0]) for r in rows}
+    def newest_id(self) -> int:
+        """The newest metric block (0: none); block ids only grow."""
+        return self._metrics.last_block()
 
     def finite_losses_after(self, run_id: int | None, step: int) -> int:
         """How many training iterations after ``step`` logged a finite loss."""
-        row = self._store.conn.execute(
-            "SELECT count(*) FROM metrics WHERE run_id IS ? AND stage = 'train' "
-            "AND loss IS NOT NULL AND abs(loss) < 1e300 AND step > ?",
-            (run_id, step),
-        ).fetchone()
-        return int(row[0])
+        return self._metrics.trained_after(run_id, step)
 
     def last_finite_step_before(self, run_id: int, step: int) -> int | None:
-        row = self._store.conn.execute(
-            "SELECT max(step) FROM metrics WHERE run_id = ? AND stage = 'train' AND step < ? "
-            "AND loss IS NOT NULL AND abs(loss) < 1e300",
-            (run_id, step),
-        ).fetchone()
-        return int(row[0]) if row and row[0] is not None else None
+        return self._metrics.trained_before(run_id, step)
 
     def trained_later(
         self, experiment: str, run_id: int
     ) -> list[tuple[str, int | None, int | None]]:
         """(name, highest step, highest epoch) that each later run of the experiment trained
-        to, oldest run first."""
+        to (a step counts when its loss is finite), oldest run first."""
         rows = self._store.conn.execute(
-            "SELECT r.name, max(m.step), max(m.epoch) FROM runs r "
-            # a step counts when it trained: its loss is finite (SQLite stores NaN as NULL)
-            "JOIN metrics m ON m.run_id = r.id AND m.stage = 'train' "
-            "AND m.loss IS NOT NULL AND abs(m.loss) < 1e300 "
-            "WHERE r.experiment = ? AND r.id > ? GROUP BY r.id ORDER BY r.id",
+            "SELECT id, name FROM runs WHERE experiment = ? AND id > ? ORDER BY id",
             (experiment, run_id),
         ).fetchall()
-        return [(str(name), step, epoch) for name, step, epoch in rows]
+        out = []
+        for later_id, name in rows:
+            max_step, max_epoch = self._metrics.trained_to(int(later_id))
+            if max_step is not None or max_epoch is not None:
+                out.append((str(name), max_step, max_epoch))
+        return out

@@ -56,6 +56,7 @@ FORWARD_BATCH = 2000
 FORWARDED_UPTO = "fleet.forwarded_upto"
 INCIDENTS_AT = "fleet.incidents_at"
 SUMMARY_AT = "fleet.summary_at"
+SUMMARY_BLOCK = "fleet.summary_block"
 
 _SCHEMA: list[str] = [
     # 1: what nodes forward, and what the correlator publishes
@@ -394,21 +395,41 @@ class FleetStore:
         return len(rows)
 
     def _forward_summaries(self, local: Store, node: str, now: float) -> int:
-        rows = local.conn.execute(
-            "SELECT run_id, rank, count(step_time), avg(step_time), max(step), max(time) "
-            "FROM metrics WHERE run_id IS NOT NULL AND rank IS NOT NULL GROUP BY run_id, rank"
-        ).fetchall()
-        if not rows:
+        """Per-rank step-time summaries (count, mean, last step) of the runs that logged
+        iterations since the last summary: a few rows per rank, never the raw metrics."""
+        from .metrics import MISSING, Metrics
+
+        metrics = Metrics(local)
+        since = int(local.meta_get(SUMMARY_BLOCK, "0") or 0)
+        newest = metrics.last_block()
+        if newest <= since:
             return 0
-        with self._tx() as cur:
-            cur.executemany(
-                "INSERT INTO step_summaries(node, run_src, rank, n, mean, last_step, last_time, "
-                "updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s) "
-                "ON CONFLICT (node, run_src, rank) DO UPDATE SET n = excluded.n, "
-                "mean = excluded.mean, last_step = excluded.last_step, "
-                "last_time = excluded.last_time, updated_at = excluded.updated_at",
-                [(node, *r, now) for r in rows],
-            )
+        rows = []
+        for run_id in sorted(metrics.runs_after(since)):
+            times = metrics.step_times(run_id)
+            per: dict[int, list[float]] = {}
+            last: dict[int, int] = {}
+            for rank, step, sec in zip(times.rank, times.step, times.seconds):
+                if rank == MISSING:
+                    continue
+                per.setdefault(rank, []).append(sec)
+                last[rank] = max(last.get(rank, step), step)
+            for rank, secs in per.items():
+                rows.append(
+                    (node, run_id, rank, len(secs), sum(secs) / len(secs), last[rank], None, now)
+                )
+        if rows:
+            with self._tx() as cur:
+                cur.executemany(
+                    "INSERT INTO step_summaries(node, run_src, rank, n, mean, last_step, "
+                    "last_time, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s) "
+                    "ON CONFLICT (node, run_src, rank) DO UPDATE SET n = excluded.n, "
+                    "mean = excluded.mean, last_step = excluded.last_step, "
+                    "last_time = excluded.last_time, updated_at = excluded.updated_at",
+                    rows,
+                )
+        with local.transaction():
+            local.meta_set(SUMMARY_BLOCK, str(newest))
         return len(rows)
 
     # -- correlator side -----------------------------------------------------------------------

@@ -10,9 +10,10 @@ fleet database, so `incidents` and `show` answer across nodes.
 - **Node identity is kept.** Sources carry their node (file identity is per node: inodes of two
   nodes collide), events keep theirs, ``runs.node`` is the node of a single-node run (NULL when
   several nodes fed it).
-- **Idempotent.** A database is named by its ``meta`` uid; the events and metric rows merged
-  from it are remembered (``merge_events``, ``merge_origins.metrics_upto``: ids only grow), so
-  merging the same database again adds only what it gained since.
+- **Idempotent.** A database is named by its ``meta`` uid; the events and metric blocks merged
+  from it are remembered (``merge_events``, ``merge_origins.metrics_upto``: block ids only
+  grow), so merging the same database again adds only what it gained since (and a block read
+  twice keeps only the iterations the fleet database lacks: ``store/metrics.py``).
 - **Incidents are correlated again** by the caller (the correlator reads the merged events as
   if one node had read them all, so an OOM on node A absorbs node B's timeouts), and each
   node's lifecycle carries over: a fleet incident is resolved once every node incident its
@@ -32,16 +33,13 @@ from typing import Any
 from ..errors import StoreError
 from ..events import now_utc
 from .db import Store
+from .metrics import Metrics
 
 BATCH = 5000
 
 _EVENT_COLS = (
     "kind, time, ingested_at, run_id, source_id, offset, key, line, rank, local_rank, node, "
     "epoch, iter, step, stage, device, message, fields"
-)
-_METRIC_COLS = (
-    "run_id, source_id, offset, rank, step, epoch, iter, stage, time, loss, grad_norm, "
-    "step_time, data_time, lr, memory"
 )
 
 
@@ -221,21 +219,15 @@ def _metrics(
         "SELECT metrics_upto FROM merge_origins WHERE origin = ?", (origin,)
     ).fetchone()
     last = int(row[0]) if row else 0
-    cur = src.conn.execute(
-        f"SELECT id, {_METRIC_COLS} FROM metrics WHERE id > ? ORDER BY id", (last,)
-    )
     upto = last
-    while True:
-        rows = cur.fetchmany(BATCH)
-        if not rows:
-            break
-        upto = int(rows[-1][0])
-        before = out.conn.total_changes
-        out.conn.executemany(
-            f"INSERT OR IGNORE INTO metrics({_METRIC_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            [(runs.get(r[1]), sources.get(r[2]), *r[3:]) for r in rows],
+    into = Metrics(out)
+    for block in Metrics(src).blocks_after(last):
+        upto = block.id
+        report.metrics += into.insert_columns(
+            runs.get(block.run_id) if block.run_id is not None else None,
+            sources.get(block.source_id) if block.source_id is not None else None,
+            block.columns,
         )
-        report.metrics += out.conn.total_changes - before
     out.execute(
         "INSERT INTO merge_origins(origin, path, first_merged_at, last_merged_at, metrics_upto) "
         "VALUES (?, '', ?, ?, ?) ON CONFLICT(origin) DO UPDATE SET metrics_upto = "

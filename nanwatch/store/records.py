@@ -26,6 +26,7 @@ __all__ = [
     "IncidentRow",
     "Message",
     "MessageRef",
+    "MetricRow",
     "OutboxRow",
     "Outcome",
     "Queued",
@@ -332,3 +333,25 @@ class EventPlace:
     dev: int
     ino: int
     offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    """One logged iteration's numbers as stored (``nanwatch metrics``), with its run's name."""
+
+    run: str | None
+    run_id: int | None
+    source_id: int | None
+    offset: int
+    rank: int | None
+    step: int | None
+    epoch: int | None
+    iter: int | None
+    stage: str | None
+    time: str | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_time: float | None = None
+    data_time: float | None = None
+    lr: float | None = None
+    memory: float | None = None

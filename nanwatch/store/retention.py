@@ -1,11 +1,12 @@
 """Retention: ``[store] keep`` and ``max_size``, in small batches on the writer thread.
 
 What goes: incidents resolved before the cutoff (with their outbox rows and messages), events
-ingested before it that no remaining incident holds, metric rows older than it (aged by
-hourly id marks: metric rows carry no ingestion time), delivered outbox rows, lapsed silences,
-retired sources nothing refers to. Over ``max_size`` the oldest metric rows go first, then the
-oldest events no open incident holds. Freed pages go back to the filesystem through
-``PRAGMA incremental_vacuum`` (databases are created with auto_vacuum=INCREMENTAL).
+ingested before it that no remaining incident holds, metric blocks older than it (aged by
+hourly block id marks: blocks carry no ingestion time), delivered outbox rows, lapsed silences,
+retired sources nothing refers to. Over ``max_size`` the oldest metric blocks go first, then
+the oldest events no open incident holds. Counts are of iterations (a block holds a chunk's).
+Freed pages go back to the filesystem through ``PRAGMA incremental_vacuum`` (databases are
+created with auto_vacuum=INCREMENTAL).
 """
 
 from __future__ import annotations

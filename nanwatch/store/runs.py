@@ -44,9 +44,9 @@ _SUMMARY = (
     "(SELECT count(*) FROM incidents i WHERE i.run_id = r.id AND i.status = 'open'), "
     "(SELECT group_concat(DISTINCT nullif(s.node, '')) FROM sources s WHERE s.run_id = r.id), "
     "min((SELECT min(time) FROM events e WHERE e.run_id = r.id), "
-    "coalesce((SELECT min(time) FROM metrics m WHERE m.run_id = r.id), '9')), "
+    "coalesce((SELECT min(time_min) FROM metric_blocks m WHERE m.run_id = r.id), '9')), "
     "max((SELECT max(time) FROM events e WHERE e.run_id = r.id), "
-    "coalesce((SELECT max(time) FROM metrics m WHERE m.run_id = r.id), '')) "
+    "coalesce((SELECT max(time_max) FROM metric_blocks m WHERE m.run_id = r.id), '')) "
     "FROM runs r ORDER BY r.id"
 )
 

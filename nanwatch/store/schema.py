@@ -5,7 +5,13 @@ A migration is appended, never edited once released.
 
 from __future__ import annotations
 
-MIGRATIONS: list[str] = [
+import sqlite3
+from collections.abc import Callable
+
+from .metrics import rows_to_blocks
+
+# SQL text, or a function of the connection for a change SQL alone cannot make
+MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     # 1: the whole pipeline: runs, sources/offsets, events, metrics, incidents, outbox.
     """
     CREATE TABLE runs (
@@ -218,7 +224,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE incidents ADD COLUMN resolved_by TEXT;
     ALTER TABLE incidents ADD COLUMN resolve_note TEXT;
     """,
-    # 5: (metric blocks)
+    # 5: per-iteration metrics as columnar blocks, one row per (source, chunk) with its
+    # iterations packed (nanwatch/store/metrics.py); existing rows are converted, and
+    # step_stats keeps the slowdown check's rolling statistics per (run, rank).
+    rows_to_blocks,
     # 6: full-text search over event messages (`nanwatch events --grep`): an FTS5 index whose
     # content is the events table itself (the text is not stored twice), kept in step by
     # triggers, in the shape sqlite-utils' enable_fts(["message"], create_triggers=True)
