@@ -50,7 +50,7 @@ def test_correlate_holds_no_sql_and_no_connection() -> None:
         assert not _SQL.search(text), f"{f.name}: {_SQL.search(text)}"
         # one hand-over remains: the slowdown module reads step times through a connection
         conns = [ln.strip() for ln in text.splitlines() if ".conn" in ln]
-        assert conns == (["conn = self.store.conn"] if f.name == "incidents.py" else []), f.name
+        assert conns == [], f.name
 
 
 def test_nan_origin_returns_its_story_and_writes_nothing(tmp_path: Path) -> None:
