@@ -55,6 +55,9 @@ RUN: Pin = keys(
     "id name path launch experiment job cluster_run node nodes created_at sources events "
     "incidents facts first_time last_time open_incidents status"
 )
+METRIC: Pin = keys(
+    "run rank epoch iter step stage time loss grad_norm step_time data_time lr memory"
+)
 SCAN: Pin = {
     **keys("database files bytes seconds events metrics runs undelivered counters"),
     "incidents": [INCIDENT],
@@ -158,6 +161,7 @@ def test_every_json_command_is_pinned() -> None:
         "scan", "incidents", "show", "events", "runs", "ack", "resolve", "silence", "silences",
         "rules", "explain", "doctor", "merge", "check-dataset", "notify-test", "shapes",
         "fleet",  # pinned in test_fleet.py: it needs a PostgreSQL server
+        "metrics",
     }  # fmt: skip
 
 
@@ -165,6 +169,12 @@ def test_scan(scanned: tuple[Path, dict[str, Any]]) -> None:
     _, summary = scanned
     check(SCAN, [summary])
     assert {i["kind"] for i in summary["incidents"]} == {"nan", "oom"}
+
+
+def test_metrics(scanned: tuple[Path, dict[str, Any]]) -> None:
+    rows = lines(["metrics", "--db", str(scanned[0]), "--json"])
+    assert rows
+    check(METRIC, rows)
 
 
 def test_read_commands(scanned: tuple[Path, dict[str, Any]]) -> None:
