@@ -67,6 +67,9 @@ class StreamState:
     msprobe: dict[str, Any] | None = None
     # launch identity the stream printed (LAUNCH_KEYS -> text); replaced, never mutated in place
     launch: dict[str, str] | None = None
+    # the last value of each counter a `rising` rule reads ("rule id:rank" -> value); replaced,
+    # never mutated in place
+    counters: dict[str, int] | None = None
 
     def follow_step(self, step_given: bool) -> None:
         """Epoch-based loops print the iteration within the epoch; the global step follows:

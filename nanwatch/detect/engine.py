@@ -602,9 +602,14 @@ class Detector:
             if found is None:
                 continue
             m, ms, matched, used_end = found
+            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
+            if rule.rising is not None:
+                risen = self._risen(rule.id, rule.rising, m, ev, state)
+                if risen is None:
+                    continue  # the counter did not grow: this line reports nothing new
+                ev = risen
             if f.trace is not None:
                 f.trace.add(rule.id)
-            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
             if rule.alone:
                 f.events.append(ev)
             else:
@@ -615,6 +620,23 @@ class Detector:
             if used_end > end:
                 f.skip_to = used_end
             return
+
+    @staticmethod
+    def _risen(rule_id: str, group: str, m: Any, ev: Event, state: StreamState) -> Event | None:
+        """``ev`` with the counter's increase, when the counter ``group`` is above the last value
+        this stream printed for the event's rank (the first value counts from 0); else None."""
+        try:
+            value = int(str(m.group(group)).replace(",", ""))
+        except (TypeError, ValueError):
+            return None
+        key = f"{rule_id}:{'?' if ev.rank is None else ev.rank}"
+        known = state.counters or {}
+        last = known.get(key, 0)
+        if value != known.get(key) and (key in known or len(known) < 4096):
+            state.counters = {**known, key: value}  # a restarted run counts from 0 again
+        if value <= last:
+            return None
+        return dataclasses.replace(ev, fields={**ev.fields, f"new_{group}": value - last})
 
     def _match(
         self, rule: Rule, text: str, end: int, chunk: bytes
