@@ -24,6 +24,7 @@ LAUNCH_KEYS = frozenset(
         "mmengine_exp",
         "nproc_per_node",
         "group_rank",
+        "nnodes",  # with the two above: a local rank's global rank on a multi-node job
     }
 )
 
@@ -44,6 +45,10 @@ class StreamState:
     hint_stage: str | None = None
     hint_line: int = 0
     hint_weak: bool = False  # the hint stage came from the entry script, not a loop frame
+    hint_stage_rank: int | None = None  # the rank whose line gave the hint stage (its prefix)
+    # the rank whose announcement ("Evaluating ...") set `stage`, until the next iteration line:
+    # another rank's failure is not in that stage (rank 0 evaluates alone)
+    stage_rank: int | None = None
     hint_rank: int | None = None  # a rank named by a nearby error line (RankID:8)
     hint_rank_line: int = 0
     hint_local_rank: int | None = None  # a local rank named the same way (local_rank: 2)
@@ -52,7 +57,8 @@ class StreamState:
     # never mutated in place
     pid_ranks: dict[str, int] | None = None
     progress_line: int = 0  # the last iteration line: failure reports do not span it
-    # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
+    # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind, pid
+    # (the process the report is about, or None)]
     blocks: dict[str, list[Any]] = field(default_factory=dict)
     # open records (tracebacks) by rank ("?" unknown): [name, line it opened on]; replaced,
     # never mutated in place

@@ -274,7 +274,7 @@ class Detector:
                             continue
                         if k in ("rank", "local_rank"):
                             attrs.setdefault(k, int(v))
-                        elif k in ("node", "device", "pid"):
+                        elif k in ("node", "device", "pid", "worker"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
                     if trace is not None:
@@ -380,7 +380,9 @@ class Detector:
             rank = values.get("rank")
             if rank is not None:
                 try:
-                    state.hint_rank = int(rank)
+                    # a report head that says its rank is unknown ("RankID:-1") ends the rank an
+                    # earlier record lent: that rank is a neighbour's, not this record's
+                    state.hint_rank = int(rank) if int(rank) >= 0 else None
                     state.hint_rank_line = line_no
                     state.hint_rank_once = False
                 except (TypeError, ValueError):
@@ -419,6 +421,7 @@ class Detector:
         """An iteration line: earlier failure reports and traceback hints are over."""
         state.progress_line = line_no
         state.hint_stage = None
+        state.stage_rank = None
         state.hint_rank = None
         state.hint_local_rank = None
         if state.blocks:
@@ -571,8 +574,16 @@ class Detector:
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
             self._set_state(state, values, line_no, rule.hint, rule.entry)
+            if values.get("stage") is not None:
+                if rule.hint:
+                    if state.hint_line == line_no:
+                        state.hint_stage_rank = prefix_attrs.get("rank")
+                else:
+                    state.stage_rank = None if rule.progress else prefix_attrs.get("rank")
             if rule.hint:
                 self._record_rank(state, values, prefix_attrs, line_no)
+                if text[:1].isspace() and "rank" not in prefix_attrs:
+                    self._late_rank(values.get("rank"), line_no, f, state)
             if rule.opens is not None:
                 self._open_record(state, rule.opens, prefix_attrs.get("rank"), line_no)
             if rule.progress:
@@ -737,6 +748,27 @@ class Detector:
             if known.get(pid) != rank and len(known) < 4096:
                 state.pid_ranks = {**known, pid: rank}
 
+    @staticmethod
+    def _late_rank(value: Any, line_no: int, f: Feed, state: StreamState) -> None:
+        """An indented line of a report (a CANN block's continuation) that names the reporting
+        rank after the report's first line: the open report without a rank is that rank's."""
+        try:
+            rank = int(value)
+        except (TypeError, ValueError):
+            return
+        idx = f.opened.get("?")
+        block = state.blocks.get("?")
+        if rank < 0 or idx is None or block is None or str(rank) in state.blocks:
+            return
+        ev = f.events[idx]
+        if ev.rank is not None or line_no - (ev.line or 0) > BLOCK_LINES:
+            return
+        f.events[idx] = dataclasses.replace(ev, rank=rank)
+        state.blocks = {k: v for k, v in state.blocks.items() if k != "?"}
+        state.blocks[str(rank)] = block
+        del f.opened["?"]
+        f.opened[str(rank)] = idx
+
     def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
         """Frames printed after the report's first line (IPython, a traceback that follows
         another rank's error line): they name its stage too; a loop frame replaces what the
@@ -797,6 +829,11 @@ class Detector:
                 fields["signal"] = _signal.Signals(-code).name
             except ValueError:
                 pass
+        # the actor that printed the line (a Ray prefix): its processes are not one report
+        if "worker" in prefix_attrs:
+            fields.setdefault("worker", prefix_attrs["worker"])
+        if "pid" in prefix_attrs:
+            fields.setdefault("worker_pid", convert(str(prefix_attrs["pid"]), "int"))
         if rule.all_matches and len(ms) > 1:
             for k in list(fields):
                 vals = []
@@ -818,16 +855,24 @@ class Detector:
             # tracebacks rarely carry a time: remember the stream's last one for correlation
             fields["stream_time"] = state.last_time
         stage = attrs.get("stage")
-        if stage is None and state.hint_stage and line_no - state.hint_line <= HINT_WINDOW:
+        own_rank = prefix_attrs.get("rank", attrs.get("rank"))
+        if (
+            stage is None
+            and state.hint_stage
+            and line_no - state.hint_line <= HINT_WINDOW
+            and not _other_rank(state.hint_stage_rank, own_rank)
+        ):
             # the entry script says less than where the stream is now (a marker, a progress line)
             if not (state.hint_weak and state.stage):
                 stage = state.hint_stage
             state.hint_stage = None
-        if stage is None:
+        if stage is None and not _other_rank(state.stage_rank, own_rank):
             stage = state.stage
         if stage is None and _TRAIN_LINE.search(text):
             stage = "train"  # the event's own line is a training step's (it prints a learning rate)
         rank = prefix_attrs.get("rank", attrs.get("rank"))
+        if rank is not None and state.hint_rank_once and state.hint_rank == rank:
+            state.hint_rank = None  # the record that lent its rank ended on its own line
         near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
         own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
         if rank is None and state.hint_rank is not None:
@@ -845,7 +890,7 @@ class Detector:
         if local_rank is None:
             local_rank = state.local_rank
         if rank is None and local_rank is not None:
-            rank = local_rank  # a local rank stands in when nothing names the global one
+            rank = _global_rank(state.launch, local_rank)
         message = text.strip()
         if rule.message:
             try:
@@ -873,6 +918,28 @@ class Detector:
             device=device,
             fields={"rule": rule.id, **fields},
         )
+
+
+def _other_rank(said_by: Any, rank: Any) -> bool:
+    """A stage another rank's line named (both ranks known, not the same)."""
+    return said_by is not None and rank is not None and said_by != rank
+
+
+def _global_rank(launch: Mapping[str, str] | None, local_rank: int) -> int | None:
+    """A local rank's global rank: ``group_rank * nproc_per_node + local_rank`` when the launcher
+    printed both; the local rank itself on one node; unknown on a job of several nodes."""
+    facts = launch or {}
+    try:
+        nnodes = int(facts.get("nnodes", "1"))
+        group = int(facts["group_rank"]) if "group_rank" in facts else None
+        nproc = int(facts["nproc_per_node"]) if "nproc_per_node" in facts else None
+    except ValueError:
+        return local_rank
+    if group is not None and nproc is not None:
+        return group * nproc + local_rank
+    if nnodes > 1 or (group or 0) > 0:
+        return None  # a local rank of one of several nodes: which node is not known
+    return local_rank  # one node: the local rank is the global one
 
 
 class _Missing(dict[str, Any]):
