@@ -496,3 +496,14 @@ def test_another_ranks_eval_line_does_not_stage_a_failure() -> None:
         "[rank3]: OSError: [Errno 5] Input/output error",
     ]
     assert [(e.rank, e.stage) for e in feed(lines)] == [(3, None)]
+
+
+def test_a_step_line_fills_step_and_an_iter_line_fills_iter() -> None:
+    [ev] = feed(["2026-12-01 10:00:00,001 - INFO - step 1200 | loss: nan | lr: 1.0e-04"])
+    assert (ev.step, ev.iter) == (1200, None)
+    [ev] = feed(["2026-12-01 10:00:00,001 - INFO - iter 300 | loss: nan | lr: 1.0e-04"])
+    assert ev.iter == 300
+    [ev] = feed(
+        ["2026/12/01 10:00:00 - mmengine - INFO - Iter(train) [ 300/900]  lr: 1e-04  loss: nan"]
+    )
+    assert ev.iter == 300
