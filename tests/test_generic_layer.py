@@ -260,6 +260,13 @@ def test_a_scheduler_kill_is_a_failure_with_its_reason(tmp_path: Path) -> None:
         ("step: 460 | loss: 2.05 | is_overflow: True | loss_scale: 128.0", 128.0),
         ("iteration 812 | loss 3.1 | overflow: True | scale: 1024", 1024.0),
         ("[2026-03-04 11:03:00] loss scale reduced from 8192.0 to 4096.0", 4096.0),
+        ("[WARNING] iteration 77: found overflow, skip this step (loss scale 1024)", 1024.0),
+        (
+            "epoch: 4 step: 9, loss is (Tensor(shape=[], dtype=Float32, value= 2.04), "
+            "Tensor(shape=[], dtype=Bool, value= True), Tensor(shape=[], dtype=Float32, "
+            "value= 8192))",
+            8192.0,
+        ),
     ],
 )
 def test_overflow_notices_with_a_finite_loss_are_overflow_events(
@@ -281,6 +288,8 @@ def test_overflow_notices_with_a_finite_loss_are_overflow_events(
         "loss scale: 65536.0 | grad norm: 0.81",
         "loss scale window set to 1000, loss scale reduced by a factor of 2 on overflow",
         "check_overflow: True, overflow: True",
+        "epoch: 4 step: 10, loss is (Tensor(shape=[], dtype=Float32, value= 2.01), "
+        "Tensor(shape=[], dtype=Bool, value= False), Tensor(shape=[], dtype=Float32, value= 8192))",
     ],
 )
 def test_overflow_columns_that_say_false_and_prose_stay_quiet(line: str) -> None:
@@ -309,6 +318,14 @@ def test_a_skipped_step_counter_that_grows_is_an_overflow() -> None:
     st = StreamState.from_json(st.to_json())
     assert feed([_ds(60, 3)], st) == []
     assert [e.fields["skipped"] for e in feed([_ds(70, 4)], st)] == [4]
+
+
+def test_a_skipped_steps_key_counts_the_same_way() -> None:
+    lines = [
+        f"global_step: {n * 100} | skipped_steps: {k} | loss: 2.1"
+        for n, k in enumerate([0, 0, 1, 1, 4])
+    ]
+    assert [e.fields["new_skipped"] for e in feed(lines)] == [1, 3]
 
 
 def test_the_first_sight_of_skipped_steps_is_an_overflow_and_each_rank_counts_alone() -> None:
@@ -341,6 +358,8 @@ def test_an_hccl_watchdog_ended_by_a_device_error_is_a_comm_event() -> None:
         "error code:507014",
         "[PG ID 1 PG GUID 3 Rank 5] Process group watchdog thread terminated with exception: "
         "aicore execution is timeout, error code is 507035",
+        "[Rank 5] HCCL watchdog thread terminated with exception: NPU function error: "
+        "c10_npu::acl::AclrtSynchronizeStreamWithTimeout(stream), error code is 507035",
         "[Rank 5] Watchdog caught collective operation timeout: WorkHCCL(SeqNum=41, "
         "OpType=ALLGATHER, TensorShape=[4096], Timeout(ms)=1800000) ran for 1800512 milliseconds "
         "before timing out.",
@@ -353,6 +372,15 @@ def test_watchdog_wordings_are_comm_events_of_their_rank(what: str) -> None:
         ["terminate called after throwing an instance of 'c10::Error'", f"  what():  {what}"]
     )
     assert [(e.kind[:5], e.rank) for e in events] == [("comm_", 5)], what
+
+
+def test_a_watchdog_timeout_or_device_error_is_told_by_its_code_not_an_api_name() -> None:
+    def kind(what: str) -> str:
+        return feed([f"[Rank 1] HCCL watchdog thread terminated with exception: {what}"])[0].kind
+
+    assert kind("aicore execution is timeout, error code is 507014") == "comm_timeout"
+    assert kind("AclrtSynchronizeStreamWithTimeout(stream), error code is 507035") == "comm_error"
+    assert kind("The Inner error is reported as above.") == "comm_error"
 
 
 def test_a_watchdog_stack_without_its_message_is_a_comm_error() -> None:
