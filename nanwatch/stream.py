@@ -53,6 +53,7 @@ class StreamState:
     hint_rank_line: int = 0
     hint_local_rank: int | None = None  # a local rank named the same way (local_rank: 2)
     hint_rank_once: bool = False  # the hint rank is a record's prefix: only its next event's
+    hint_rank_pid: int | None = None  # the PID the line that named the hint rank printed
     # process id (a Ray actor's "pid=5012" prefix) -> the rank one of its lines named; replaced,
     # never mutated in place
     pid_ranks: dict[str, int] | None = None

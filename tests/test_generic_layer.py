@@ -435,6 +435,9 @@ def test_an_ascend_report_takes_the_rank_its_own_lines_name() -> None:
         ("comm_timeout", 5, 0),
         ("comm_timeout", 7, 0),
     ]
+    # a report of another process (its own PID) right after one of rank 1 is not rank 1's
+    events = feed([*lines[:2], ei0002.format(pid=3309, s=5)])
+    assert [(e.rank, e.fields.get("reporter_pid")) for e in events] == [(1, 3301), (None, 3309)]
 
 
 def _torchrun_head(nnodes: int, group_rank: int | None) -> list[str]:
@@ -479,6 +482,9 @@ def test_ray_actor_prefixes_name_the_node_and_worker_not_a_rank() -> None:
         '(TaskRunner pid=7001)   File "/opt/verl/main.py", line 10, in run',
         "(TaskRunner pid=7001)     run()",
         "(TaskRunner pid=7001) KeyError: 'reward'",
+        "(WorkerDict pid=8813, ip=10.0.0.4) INFO worker started: local_rank=2 device=npu:2",
+        "(WorkerDict pid=8813, ip=10.0.0.4) RuntimeError: NPU function error: "
+        "c10_npu::acl::AclrtSynchronizeStream(stream), error code is 507035",
         "(RayWorkerWrapper pid=51234, ip=10.0.0.12) RuntimeError: NPU out of memory. Tried to "
         "allocate 2.00 GiB (NPU 3; 60.96 GiB total capacity; 58.10 GiB already allocated; "
         "1.20 GiB free)",
@@ -487,6 +493,7 @@ def test_ray_actor_prefixes_name_the_node_and_worker_not_a_rank() -> None:
     assert got == [
         ("process_failure", 3, "10.0.0.3", "WorkerDict"),
         ("process_failure", None, None, "TaskRunner"),
+        ("process_failure", None, "10.0.0.4", "WorkerDict"),  # its local rank 2 is no rank
         ("oom", None, "10.0.0.12", "RayWorkerWrapper"),
     ]
 
@@ -502,6 +509,11 @@ def test_ray_actor_prefixes_name_the_node_and_worker_not_a_rank() -> None:
         ("2026-12-01 10:00:05,001 - INFO - Saving model checkpoint to /out/ckpt-500", "train"),
         (" saving checkpoint at iteration    2000 to /ckpt/run7", "train"),
         ("2026/12/01 10:00:05 - mmengine - INFO - Saving checkpoint at 4 epochs", "train"),
+        ("[INFO] [Torch] Checkpoint global_step900 is about to be saved!", "train"),
+        (
+            "Epoch 3, global step 1200: 'val_loss' reached 0.51, saving model to '/ck/e3.ckpt'",
+            "train",
+        ),
     ],
 )
 def test_a_failure_right_after_an_eval_or_save_line_takes_its_stage(

@@ -39,6 +39,9 @@ _NEW_RECORD = re.compile(
     r"During handling|The above exception|Exception raised from|"
     r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
 )
+# the process that printed a CANN / torch_npu report: "EI0002: [PID: 3305] ...", "[ERROR]
+# 2026-... (PID:3305, Device:5, RankID:-1) ERR00100 ..." (reports of two processes are two reports)
+_REPORTER_PID = re.compile(r"(?:\[PID: ?|\(PID: ?)(\d{1,10})[\],]")
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
@@ -581,6 +584,8 @@ class Detector:
                 else:
                     state.stage_rank = None if rule.progress else prefix_attrs.get("rank")
             if rule.hint:
+                if values.get("rank") is not None:
+                    state.hint_rank_pid = _reporter_pid(ctx_text)
                 self._record_rank(state, values, prefix_attrs, line_no)
                 if text[:1].isspace() and "rank" not in prefix_attrs:
                     self._late_rank(values.get("rank"), line_no, f, state)
@@ -829,6 +834,10 @@ class Detector:
                 fields["signal"] = _signal.Signals(-code).name
             except ValueError:
                 pass
+        if "reporter_pid" not in fields:
+            pid = _reporter_pid(text)
+            if pid is not None:
+                fields["reporter_pid"] = pid
         # the actor that printed the line (a Ray prefix): its processes are not one report
         if "worker" in prefix_attrs:
             fields.setdefault("worker", prefix_attrs["worker"])
@@ -875,10 +884,12 @@ class Detector:
             state.hint_rank = None  # the record that lent its rank ended on its own line
         near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
         own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
+        lender = state.hint_rank_pid
         if rank is None and state.hint_rank is not None:
             # a line that names its own (local) rank is about that process, not a neighbour's;
-            # either way the record that lent its rank has ended
-            if own_local is None:
+            # either way the record that lent its rank has ended; a report another process
+            # printed (another PID) is not the lender's
+            if own_local is None and not _other_rank(lender, fields.get("reporter_pid")):
                 rank = state.hint_rank if near else None
             if state.hint_rank_once or own_local is not None:
                 state.hint_rank = None
@@ -890,7 +901,8 @@ class Detector:
         if local_rank is None:
             local_rank = state.local_rank
         if rank is None and local_rank is not None:
-            rank = _global_rank(state.launch, local_rank)
+            # a Ray actor's local rank is on one node of a cluster: never a rank by itself
+            rank = _global_rank(state.launch, local_rank, "worker" not in prefix_attrs)
         message = text.strip()
         if rule.message:
             try:
@@ -920,14 +932,26 @@ class Detector:
         )
 
 
+def _reporter_pid(text: str) -> int | None:
+    """The PID a CANN / torch_npu report line says printed it, if any."""
+    if "PID:" not in text:
+        return None
+    m = _REPORTER_PID.search(text, 0, 400)
+    return int(m.group(1)) if m is not None else None
+
+
 def _other_rank(said_by: Any, rank: Any) -> bool:
-    """A stage another rank's line named (both ranks known, not the same)."""
+    """Two known values that differ: a stage another rank's line named, a PID of another
+    process."""
     return said_by is not None and rank is not None and said_by != rank
 
 
-def _global_rank(launch: Mapping[str, str] | None, local_rank: int) -> int | None:
+def _global_rank(
+    launch: Mapping[str, str] | None, local_rank: int, one_node: bool = True
+) -> int | None:
     """A local rank's global rank: ``group_rank * nproc_per_node + local_rank`` when the launcher
-    printed both; the local rank itself on one node; unknown on a job of several nodes."""
+    printed both; the local rank itself on one node (``one_node``: nothing says there are
+    more); unknown on a job of several nodes."""
     facts = launch or {}
     try:
         nnodes = int(facts.get("nnodes", "1"))
@@ -937,7 +961,7 @@ def _global_rank(launch: Mapping[str, str] | None, local_rank: int) -> int | Non
         return local_rank
     if group is not None and nproc is not None:
         return group * nproc + local_rank
-    if nnodes > 1 or (group or 0) > 0:
+    if nnodes > 1 or (group or 0) > 0 or not one_node:
         return None  # a local rank of one of several nodes: which node is not known
     return local_rank  # one node: the local rank is the global one
 

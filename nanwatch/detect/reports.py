@@ -61,8 +61,10 @@ def report(
         b = blocks.get(k)
         if b is None or b[1] < state.progress_line:
             return False
-        if len(b) > 4 and _other_process(pid, b[4]):
-            return False  # another process's report (a Ray actor's, a CANN block's PID)
+        if (key == "?" or k == "?") and len(b) > 4 and _other_process(pid, b[4]):
+            # a rank-less line of another process (a Ray actor's, a CANN report's PID) starts a
+            # report of its own; lines of one rank stay one report whatever PIDs they print
+            return False
         return b[0] == family or (_ANY in (b[0], family) and {b[0], family} <= _FAILURES)
 
     found: str | None = None
