@@ -24,6 +24,7 @@ LAUNCH_KEYS = frozenset(
         "mmengine_exp",
         "nproc_per_node",
         "group_rank",
+        "nnodes",  # with the two above: a local rank's global rank on a multi-node job
     }
 )
 
@@ -44,15 +45,21 @@ class StreamState:
     hint_stage: str | None = None
     hint_line: int = 0
     hint_weak: bool = False  # the hint stage came from the entry script, not a loop frame
+    hint_stage_rank: int | None = None  # the rank whose line gave the hint stage (its prefix)
+    # the rank whose announcement ("Evaluating ...") set `stage`, until the next iteration line:
+    # another rank's failure is not in that stage (rank 0 evaluates alone)
+    stage_rank: int | None = None
     hint_rank: int | None = None  # a rank named by a nearby error line (RankID:8)
     hint_rank_line: int = 0
     hint_local_rank: int | None = None  # a local rank named the same way (local_rank: 2)
     hint_rank_once: bool = False  # the hint rank is a record's prefix: only its next event's
+    hint_rank_pid: int | None = None  # the PID the line that named the hint rank printed
     # process id (a Ray actor's "pid=5012" prefix) -> the rank one of its lines named; replaced,
     # never mutated in place
     pid_ranks: dict[str, int] | None = None
     progress_line: int = 0  # the last iteration line: failure reports do not span it
-    # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind]
+    # open failure reports, by rank ("?" unknown): [kind family, last line, priority, kind, pid
+    # (the process the report is about, or None)]
     blocks: dict[str, list[Any]] = field(default_factory=dict)
     # open records (tracebacks) by rank ("?" unknown): [name, line it opened on]; replaced,
     # never mutated in place
@@ -67,6 +74,9 @@ class StreamState:
     msprobe: dict[str, Any] | None = None
     # launch identity the stream printed (LAUNCH_KEYS -> text); replaced, never mutated in place
     launch: dict[str, str] | None = None
+    # the last value of each counter a `rising` rule reads ("rule id:rank" -> value); replaced,
+    # never mutated in place
+    counters: dict[str, int] | None = None
 
     def follow_step(self, step_given: bool) -> None:
         """Epoch-based loops print the iteration within the epoch; the global step follows:

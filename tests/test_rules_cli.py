@@ -77,7 +77,7 @@ def test_explain_a_line_and_stdin(tmp_path: Path) -> None:
 
 
 def test_explain_says_when_nothing_matches() -> None:
-    res = CliRunner().invoke(cli, ["explain", "Saving checkpoint at epoch 3"])
+    res = CliRunner().invoke(cli, ["explain", "Loading the tokenizer from /models/base"])
     assert res.exit_code == 0
     assert "No rule matches." in res.output
 

@@ -39,6 +39,9 @@ _NEW_RECORD = re.compile(
     r"During handling|The above exception|Exception raised from|"
     r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
 )
+# the process that printed a CANN / torch_npu report: "EI0002: [PID: 3305] ...", "[ERROR]
+# 2026-... (PID:3305, Device:5, RankID:-1) ERR00100 ..." (reports of two processes are two reports)
+_REPORTER_PID = re.compile(r"(?:\[PID: ?|\(PID: ?)(\d{1,10})[\],]")
 MESSAGE_MAX = 2000
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
@@ -274,7 +277,7 @@ class Detector:
                             continue
                         if k in ("rank", "local_rank"):
                             attrs.setdefault(k, int(v))
-                        elif k in ("node", "device", "pid"):
+                        elif k in ("node", "device", "pid", "worker"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
                     if trace is not None:
@@ -380,7 +383,9 @@ class Detector:
             rank = values.get("rank")
             if rank is not None:
                 try:
-                    state.hint_rank = int(rank)
+                    # a report head that says its rank is unknown ("RankID:-1") ends the rank an
+                    # earlier record lent: that rank is a neighbour's, not this record's
+                    state.hint_rank = int(rank) if int(rank) >= 0 else None
                     state.hint_rank_line = line_no
                     state.hint_rank_once = False
                 except (TypeError, ValueError):
@@ -419,6 +424,7 @@ class Detector:
         """An iteration line: earlier failure reports and traceback hints are over."""
         state.progress_line = line_no
         state.hint_stage = None
+        state.stage_rank = None
         state.hint_rank = None
         state.hint_local_rank = None
         if state.blocks:
@@ -571,8 +577,18 @@ class Detector:
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
             self._set_state(state, values, line_no, rule.hint, rule.entry)
+            if values.get("stage") is not None:
+                if rule.hint:
+                    if state.hint_line == line_no:
+                        state.hint_stage_rank = prefix_attrs.get("rank")
+                else:
+                    state.stage_rank = None if rule.progress else prefix_attrs.get("rank")
             if rule.hint:
+                if values.get("rank") is not None:
+                    state.hint_rank_pid = _reporter_pid(ctx_text)
                 self._record_rank(state, values, prefix_attrs, line_no)
+                if text[:1].isspace() and "rank" not in prefix_attrs:
+                    self._late_rank(values.get("rank"), line_no, f, state)
             if rule.opens is not None:
                 self._open_record(state, rule.opens, prefix_attrs.get("rank"), line_no)
             if rule.progress:
@@ -602,9 +618,14 @@ class Detector:
             if found is None:
                 continue
             m, ms, matched, used_end = found
+            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
+            if rule.rising is not None:
+                risen = self._risen(rule.id, rule.rising, m, ev, state)
+                if risen is None:
+                    continue  # the counter did not grow: this line reports nothing new
+                ev = risen
             if f.trace is not None:
                 f.trace.add(rule.id)
-            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
             if rule.alone:
                 f.events.append(ev)
             else:
@@ -615,6 +636,23 @@ class Detector:
             if used_end > end:
                 f.skip_to = used_end
             return
+
+    @staticmethod
+    def _risen(rule_id: str, group: str, m: Any, ev: Event, state: StreamState) -> Event | None:
+        """``ev`` with the counter's increase, when the counter ``group`` is above the last value
+        this stream printed for the event's rank (the first value counts from 0); else None."""
+        try:
+            value = int(str(m.group(group)).replace(",", ""))
+        except (TypeError, ValueError):
+            return None
+        key = f"{rule_id}:{'?' if ev.rank is None else ev.rank}"
+        known = state.counters or {}
+        last = known.get(key, 0)
+        if value != known.get(key) and (key in known or len(known) < 4096):
+            state.counters = {**known, key: value}  # a restarted run counts from 0 again
+        if value <= last:
+            return None
+        return dataclasses.replace(ev, fields={**ev.fields, f"new_{group}": value - last})
 
     def _match(
         self, rule: Rule, text: str, end: int, chunk: bytes
@@ -715,6 +753,27 @@ class Detector:
             if known.get(pid) != rank and len(known) < 4096:
                 state.pid_ranks = {**known, pid: rank}
 
+    @staticmethod
+    def _late_rank(value: Any, line_no: int, f: Feed, state: StreamState) -> None:
+        """An indented line of a report (a CANN block's continuation) that names the reporting
+        rank after the report's first line: the open report without a rank is that rank's."""
+        try:
+            rank = int(value)
+        except (TypeError, ValueError):
+            return
+        idx = f.opened.get("?")
+        block = state.blocks.get("?")
+        if rank < 0 or idx is None or block is None or str(rank) in state.blocks:
+            return
+        ev = f.events[idx]
+        if ev.rank is not None or line_no - (ev.line or 0) > BLOCK_LINES:
+            return
+        f.events[idx] = dataclasses.replace(ev, rank=rank)
+        state.blocks = {k: v for k, v in state.blocks.items() if k != "?"}
+        state.blocks[str(rank)] = block
+        del f.opened["?"]
+        f.opened[str(rank)] = idx
+
     def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
         """Frames printed after the report's first line (IPython, a traceback that follows
         another rank's error line): they name its stage too; a loop frame replaces what the
@@ -775,6 +834,15 @@ class Detector:
                 fields["signal"] = _signal.Signals(-code).name
             except ValueError:
                 pass
+        if "reporter_pid" not in fields:
+            pid = _reporter_pid(text)
+            if pid is not None:
+                fields["reporter_pid"] = pid
+        # the actor that printed the line (a Ray prefix): its processes are not one report
+        if "worker" in prefix_attrs:
+            fields.setdefault("worker", prefix_attrs["worker"])
+        if "pid" in prefix_attrs:
+            fields.setdefault("worker_pid", convert(str(prefix_attrs["pid"]), "int"))
         if rule.all_matches and len(ms) > 1:
             for k in list(fields):
                 vals = []
@@ -796,22 +864,32 @@ class Detector:
             # tracebacks rarely carry a time: remember the stream's last one for correlation
             fields["stream_time"] = state.last_time
         stage = attrs.get("stage")
-        if stage is None and state.hint_stage and line_no - state.hint_line <= HINT_WINDOW:
+        own_rank = prefix_attrs.get("rank", attrs.get("rank"))
+        if (
+            stage is None
+            and state.hint_stage
+            and line_no - state.hint_line <= HINT_WINDOW
+            and not _other_rank(state.hint_stage_rank, own_rank)
+        ):
             # the entry script says less than where the stream is now (a marker, a progress line)
             if not (state.hint_weak and state.stage):
                 stage = state.hint_stage
             state.hint_stage = None
-        if stage is None:
+        if stage is None and not _other_rank(state.stage_rank, own_rank):
             stage = state.stage
         if stage is None and _TRAIN_LINE.search(text):
             stage = "train"  # the event's own line is a training step's (it prints a learning rate)
         rank = prefix_attrs.get("rank", attrs.get("rank"))
+        if rank is not None and state.hint_rank_once and state.hint_rank == rank:
+            state.hint_rank = None  # the record that lent its rank ended on its own line
         near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
         own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
+        lender = state.hint_rank_pid
         if rank is None and state.hint_rank is not None:
             # a line that names its own (local) rank is about that process, not a neighbour's;
-            # either way the record that lent its rank has ended
-            if own_local is None:
+            # either way the record that lent its rank has ended; a report another process
+            # printed (another PID) is not the lender's
+            if own_local is None and not _other_rank(lender, fields.get("reporter_pid")):
                 rank = state.hint_rank if near else None
             if state.hint_rank_once or own_local is not None:
                 state.hint_rank = None
@@ -823,7 +901,8 @@ class Detector:
         if local_rank is None:
             local_rank = state.local_rank
         if rank is None and local_rank is not None:
-            rank = local_rank  # a local rank stands in when nothing names the global one
+            # a Ray actor's local rank is on one node of a cluster: never a rank by itself
+            rank = _global_rank(state.launch, local_rank, "worker" not in prefix_attrs)
         message = text.strip()
         if rule.message:
             try:
@@ -851,6 +930,40 @@ class Detector:
             device=device,
             fields={"rule": rule.id, **fields},
         )
+
+
+def _reporter_pid(text: str) -> int | None:
+    """The PID a CANN / torch_npu report line says printed it, if any."""
+    if "PID:" not in text:
+        return None
+    m = _REPORTER_PID.search(text, 0, 400)
+    return int(m.group(1)) if m is not None else None
+
+
+def _other_rank(said_by: Any, rank: Any) -> bool:
+    """Two known values that differ: a stage another rank's line named, a PID of another
+    process."""
+    return said_by is not None and rank is not None and said_by != rank
+
+
+def _global_rank(
+    launch: Mapping[str, str] | None, local_rank: int, one_node: bool = True
+) -> int | None:
+    """A local rank's global rank: ``group_rank * nproc_per_node + local_rank`` when the launcher
+    printed both; the local rank itself on one node (``one_node``: nothing says there are
+    more); unknown on a job of several nodes."""
+    facts = launch or {}
+    try:
+        nnodes = int(facts.get("nnodes", "1"))
+        group = int(facts["group_rank"]) if "group_rank" in facts else None
+        nproc = int(facts["nproc_per_node"]) if "nproc_per_node" in facts else None
+    except ValueError:
+        return local_rank
+    if group is not None and nproc is not None:
+        return group * nproc + local_rank
+    if nnodes > 1 or (group or 0) > 0 or not one_node:
+        return None  # a local rank of one of several nodes: which node is not known
+    return local_rank  # one node: the local rank is the global one
 
 
 class _Missing(dict[str, Any]):

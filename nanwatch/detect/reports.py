@@ -55,10 +55,15 @@ def report(
         del blocks[k]
         f.opened.pop(k, None)
     key = "?" if ev.rank is None else str(ev.rank)
+    pid = _pid(ev)
 
     def usable(k: str) -> bool:
         b = blocks.get(k)
         if b is None or b[1] < state.progress_line:
+            return False
+        if (key == "?" or k == "?") and len(b) > 4 and _other_process(pid, b[4]):
+            # a rank-less line of another process (a Ray actor's, a CANN report's PID) starts a
+            # report of its own; lines of one rank stay one report whatever PIDs they print
             return False
         return b[0] == family or (_ANY in (b[0], family) and {b[0], family} <= _FAILURES)
 
@@ -85,7 +90,7 @@ def report(
         blocks.pop(found)
         f.opened.pop(found)
         fam = b[0] if family == _ANY else family
-        blocks[new_key] = [fam, line_no, f.prios[idx], merged.kind]
+        blocks[new_key] = [fam, line_no, f.prios[idx], merged.kind, _pid(merged)]
         f.opened[new_key] = idx
     elif prio > b[2] and ev.kind != b[3]:
         # the report's first event was committed with an earlier chunk; a stronger line of
@@ -109,7 +114,27 @@ def _open(
     idx = len(f.events) - 1
     f.prios[idx] = prio
     f.opened[key] = idx
-    blocks[key] = [family, line_no, prio, ev.kind]
+    blocks[key] = [family, line_no, prio, ev.kind, _pid(ev)]
+
+
+def _pid(ev: Event) -> list[int | None]:
+    """The processes that printed a detection's line, when it names them: a CANN report head's
+    "(PID:2214, ...)", the Ray actor of its prefix ("pid=3120"). A "pid" field is the process a
+    line is about (a launcher's killed child), not this."""
+    out: list[int | None] = []
+    for name in ("reporter_pid", "worker_pid"):
+        v = ev.fields.get(name)
+        try:
+            out.append(None if v is None else int(v))
+        except (TypeError, ValueError):
+            out.append(None)
+    return out
+
+
+def _other_process(mine: list[int | None], theirs: Any) -> bool:
+    if not isinstance(theirs, list):
+        return False
+    return any(a is not None and b is not None and a != b for a, b in zip(mine, theirs))
 
 
 def _merge(old: Event, new: Event, stronger: bool) -> Event:

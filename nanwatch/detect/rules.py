@@ -71,6 +71,10 @@ Optional rule keys (all backward compatible):
   exception line, whatever the exception). Any detection on an unindented line of that rank, an
   iteration line, or ``RECORD_LINES`` lines close it. A record opened on the line before is not
   replaced by another name (``Exception ignored in:`` names the traceback that follows it).
+- ``rising = "<group>"`` on an event rule: the group is a counter the line prints on every
+  report (DeepSpeed's ``skipped=3``); the line is an event only when the counter is above what
+  the stream last printed for that rank (the first value above 0 counts), and the event's
+  ``new_<group>`` field says by how much. The last values are kept in the stream's state.
 - metric groups named ``*_ms`` are converted to seconds.
 - ``facts`` on a context rule: run facts the line tells, merged into ``runs.facts`` (what
   ``nanwatch runs --json`` shows and the knowledge base reads):
@@ -271,6 +275,7 @@ class Rule:
     max_chars: int = LINE_LIMIT  # characters of a line the pattern examines (see bounds.py)
     opens: str | None = None  # a context rule: the record (traceback) this line opens
     within: str | None = None  # an event rule: only tried inside an open record of this name
+    rising: str | None = None  # an event rule: a counter group; only an increase is an event
 
     @property
     def chunk(self) -> bool:
@@ -334,6 +339,7 @@ _RULE_KEYS = {
     "entry",
     "opens",
     "within",
+    "rising",
 }
 _EXAMPLE_KEYS = {
     "line",
@@ -564,6 +570,14 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(src, rid, f"`{key}` is only for {want} rules")
             if not isinstance(val, str) or not val.isidentifier():
                 raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
+        rising = raw.get("rising")
+        if rising is not None:
+            if rtype != "event":
+                raise _fail(src, rid, "`rising` is only for event rules")
+            if not isinstance(rising, str) or rising not in groups:
+                raise _fail(
+                    src, rid, f"rising must name a group of the pattern (a counter); got {rising!r}"
+                )
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -598,6 +612,7 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 entry=bool(raw.get("entry", False)),
                 opens=opens,
                 within=within,
+                rising=rising,
             )
         )
 
@@ -622,10 +637,14 @@ def load_rules(
     """
     from ..resources import data_dir
 
+    shipped = data_dir("parsers")
+    # the shipped folder named as a site folder (`rules --check parsers` in a checkout) is read once
     site = [Path(d) for d in site_dirs]
+    if builtin:
+        site = [d for d in site if d.resolve() != shipped.resolve()]
     dirs = [*site]
     if builtin:
-        dirs.append(data_dir("parsers"))
+        dirs.append(shipped)
     rs = RuleSet()
     seen: dict[str, Path] = {}
     for f in pack_files(dirs):
