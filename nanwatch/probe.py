@@ -44,6 +44,7 @@ __all__ = [
     "check_batch",
     "collect_facts",
     "default",
+    "encode",
     "install_excepthook",
     "memory_summary",
     "stage",
