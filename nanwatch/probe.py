@@ -44,6 +44,7 @@ __all__ = [
     "check_batch",
     "collect_facts",
     "default",
+    "encode",
     "install_excepthook",
     "memory_summary",
     "stage",
@@ -73,14 +74,15 @@ def encode(kind: str, payload: Mapping[str, Any]) -> str:
 class _Bucket:
     """Token bucket: ``burst`` lines at once, then ``rate`` lines per second."""
 
-    def __init__(self, rate: float, burst: int) -> None:
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
         self.rate = rate
         self.burst = float(burst)
         self.tokens = float(burst)
-        self.last = time.monotonic()
+        self.clock = clock
+        self.last = clock()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
         self.last = now
         if self.tokens >= 1.0:
@@ -94,7 +96,8 @@ class Probe:
 
     ``logger``: the framework's logger (its file is what nanwatch often follows); lines also go
     to ``stream`` (stderr) unless the logger already prints them on the console, so a captured
-    stdout+stderr never holds a record twice. ``lines_per_minute``/``burst`` bound the data lines.
+    stdout+stderr never holds a record twice. ``lines_per_minute``/``burst`` bound the data lines,
+    refilled on ``clock`` (monotonic seconds).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Probe:
         rank: int | None = None,
         lines_per_minute: float = 60.0,
         burst: int = 100,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
         self.stream = stream
@@ -113,7 +117,7 @@ class Probe:
         self.empty_samples = 0
         self.suppressed = 0
         self.lines = 0  # records printed
-        self._bucket = _Bucket(lines_per_minute / 60.0, burst)
+        self._bucket = _Bucket(lines_per_minute / 60.0, burst, clock)
         self._console: bool | None = None
         self._lock = threading.Lock()
         self._prev_hook: Callable[..., Any] | None = None

@@ -8,15 +8,15 @@ import re
 import signal
 import socket
 import sqlite3
-import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, nanwatch, wait_for
+from .conftest import StartWatch, Watch, nanwatch, wait_for
 from .test_sources import nan_line, ok_line
 
 pytestmark = pytest.mark.slow
@@ -78,45 +78,34 @@ def write_config(path: Path, sources: list[Path], extra: str = "") -> Path:
     return path
 
 
-class Daemon:
-    def __init__(
-        self,
-        tmp: Path,
+StartDaemon = Callable[..., Watch]
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, start_watch: StartWatch) -> StartDaemon:
+    """``start_daemon(config, notify, watchdog_usec=..., journal=...)``: `watch` as systemd
+    runs it (its readiness is on the notify socket, so the test waits there)."""
+
+    def start(
         config: Path,
         notify: NotifySocket | None = None,
         *,
         watchdog_usec: int | None = None,
         journal: bool = False,
-    ) -> None:
+    ) -> Watch:
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
         if notify is not None:
             env["NOTIFY_SOCKET"] = notify.address
         if watchdog_usec is not None:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
-        self.db = tmp / "nw.db"
-        self.err = tmp / "daemon.err"
-        with self.err.open("ab") as err:
-            if journal:  # what systemd sets when stderr is a journal stream
-                st = os.fstat(err.fileno())
-                env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-            self.proc = subprocess.Popen(
-                [*NANWATCH, "watch", "--quiet", "--config", str(config), "--db", str(self.db)],
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=env,
-            )
+        out = tmp_path / "daemon.err"
+        out.touch()
+        if journal:  # what systemd sets when stderr is a journal stream
+            st = out.stat()
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        return start_watch(config=config, db=tmp_path / "nw.db", out=out, env=env, ready=False)
 
-    def log(self) -> str:
-        return self.err.read_text(errors="replace")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+    return start
 
 
 def count(db: Path, sql: str = "SELECT count(*) FROM events") -> int:
@@ -146,10 +135,12 @@ def logs(tmp_path: Path) -> Path:
     return d
 
 
-def test_ready_watchdog_and_stopping_on_a_path_socket(tmp_path: Path, logs: Path) -> None:
+def test_ready_watchdog_and_stopping_on_a_path_socket(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(
-        tmp_path, write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=3_000_000
+    daemon = start_daemon(
+        write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=3_000_000
     )
     try:
         ready = notify.wait("READY", "1")
@@ -160,19 +151,20 @@ def test_ready_watchdog_and_stopping_on_a_path_socket(tmp_path: Path, logs: Path
         assert len(pings) >= 2, notify.received
         gaps = [b - a for a, b in zip([t0, *pings], pings)]
         assert max(gaps) < 3.0, gaps
-        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.send(signal.SIGTERM)
         notify.wait("STOPPING", "1", timeout=10)
-        assert daemon.proc.wait(10) == 0, daemon.log()
+        assert daemon.wait(10) == 0, daemon.output()
     finally:
-        daemon.kill()
         notify.close()
-    assert "stopped: everything read is committed" in daemon.log()
+    assert "stopped: everything read is committed" in daemon.output()
 
 
-def test_a_writer_waiting_for_the_database_keeps_pinging(tmp_path: Path, logs: Path) -> None:
+def test_a_writer_waiting_for_the_database_keeps_pinging(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     notify = NotifySocket(f"@nanwatch-test-{uuid.uuid4().hex}")  # the abstract namespace
-    daemon = Daemon(
-        tmp_path, write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=2_000_000
+    daemon = start_daemon(
+        write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=2_000_000
     )
     try:
         notify.wait("READY", "1")
@@ -184,7 +176,7 @@ def test_a_writer_waiting_for_the_database_keeps_pinging(tmp_path: Path, logs: P
         try:
             with (logs / "rank0.log").open("a") as f:
                 f.write(nan_line(2))
-            wait_for(lambda: "database is locked" in daemon.log(), what="the commit waiting")
+            wait_for(lambda: "database is locked" in daemon.output(), what="the commit waiting")
             notify.drain()
             pings = [m for _, m in notify.collect(2.5) if m.get("WATCHDOG") == "1"]
             assert len(pings) >= 3, notify.received[-10:]
@@ -194,36 +186,38 @@ def test_a_writer_waiting_for_the_database_keeps_pinging(tmp_path: Path, logs: P
         wait_for(lambda: count(daemon.db) == 2, timeout=30, what="the event read while waiting")
         assert daemon.stop() == 0
     finally:
-        daemon.kill()
         notify.close()
 
 
-def test_a_megabyte_line_never_stalls_the_loop(tmp_path: Path, logs: Path) -> None:
+def test_a_megabyte_line_never_stalls_the_loop(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     # thousands of candidate values without the iteration marker the rule needs: a pattern
     # that looked back from each one took minutes on such a line, with no ping and no SIGTERM
     (logs / "rank1.log").write_text("loss: nan " * 100_000 + "\n" + nan_line(3))
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(
-        tmp_path, write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=2_000_000
+    daemon = start_daemon(
+        write_config(tmp_path / "nw.toml", [logs]), notify, watchdog_usec=2_000_000
     )
     try:
         notify.wait("READY", "1", timeout=60)
         wait_for(lambda: count(daemon.db) >= 2, timeout=30, what="the events around the line")
         with (logs / "rank1.log").open("a") as f:
             f.write("loss: nan " * 100_000 + "\n")
-        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.send(signal.SIGTERM)
         notify.wait("STOPPING", "1", timeout=10)
-        assert daemon.proc.wait(15) == 0, daemon.log()
+        assert daemon.wait(15) == 0, daemon.output()
     finally:
-        daemon.kill()
         notify.close()
 
 
-def test_metrics_wal_readers_and_no_torch(tmp_path: Path, logs: Path) -> None:
+def test_metrics_wal_readers_and_no_torch(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     port = free_port()
     config = write_config(tmp_path / "nw.toml", [logs], f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(tmp_path, config, notify)
+    daemon = start_daemon(config, notify)
     try:
         notify.wait("READY", "1")
         m = scrape(port)
@@ -259,16 +253,17 @@ def test_metrics_wal_readers_and_no_torch(tmp_path: Path, logs: Path) -> None:
 
         # the daemon never imports torch (installed here): no torch library is mapped
         assert importlib.util.find_spec("torch") is not None
-        maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+        maps = Path(f"/proc/{daemon.pid}/maps").read_text()
         assert "_sqlite3" in maps  # the check sees the extension modules the daemon loaded
         assert "torch" not in maps
         assert daemon.stop() == 0
     finally:
-        daemon.kill()
         notify.close()
 
 
-def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) -> None:
+def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(
+    tmp_path: Path, start_daemon: StartDaemon
+) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -278,13 +273,13 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
     metrics = f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
     config = write_config(tmp_path / "nw.toml", [a], metrics)
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(tmp_path, config, notify, journal=True)
+    daemon = start_daemon(config, notify, journal=True)
     try:
         notify.wait("READY", "1")
         assert scrape(port)["nanwatch_read_lines_total"] == 3
 
         write_config(config, [a, b], metrics)
-        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.send(signal.SIGHUP)
         notify.wait("RELOADING", "1")
         notify.wait("READY", "1")
         wait_for(lambda: count(daemon.db) == 2, what="the new source's event")
@@ -295,7 +290,7 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
         wait_for(lambda: count(daemon.db) == 3, what="the old source still followed")
 
         config.write_text(config.read_text().replace("[metrics]", "poll_intervall = 2\n[metrics]"))
-        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.send(signal.SIGHUP)
         refused = notify.wait("READY", "1")
         assert "reload refused" in refused["STATUS"]
         with (b / "rank0.log").open("a") as f:
@@ -306,9 +301,8 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
         )
         assert daemon.stop() == 0
     finally:
-        daemon.kill()
         notify.close()
-    log = daemon.log()
+    log = daemon.output()
     # journald gets each line's level as a <N> prefix: 3 is err, 4 warning, 6 info
     assert re.search(r"(?m)^<3>nanwatch.daemon: reload refused, .*'poll_intervall'", log), log
     assert "'poll_interval'" in log and str(config) in log
@@ -316,22 +310,24 @@ def test_sighup_adds_a_source_and_a_broken_reload_keeps_running(tmp_path: Path) 
     assert re.search(r"(?m)^<6>nanwatch.daemon: reloaded ", log)
 
 
-def test_a_misspelt_key_fails_at_start(tmp_path: Path, logs: Path) -> None:
+def test_a_misspelt_key_fails_at_start(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     config = write_config(tmp_path / "nw.toml", [logs], "[store]\nkeeep = '90d'\n")
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(tmp_path, config, notify)
-    try:
-        assert daemon.proc.wait(60) == 78  # EX_CONFIG: not restarted in a loop
-    finally:
-        daemon.kill()
-    assert not [m for _, m in notify.collect(0.2) if "READY" in m]
+    daemon = start_daemon(config, notify)
+    assert daemon.wait(60) == 78  # EX_CONFIG: not restarted in a loop
+    notify.drain()  # it has exited: whatever it sent is queued already
+    assert not [m for _, m in notify.received if "READY" in m]
     notify.close()
-    err = daemon.log()
+    err = daemon.output()
     assert str(config.resolve()) in err and "'keeep'" in err and "did you mean 'keep'" in err
     assert not (tmp_path / "nw.db").exists()
 
 
-def test_a_taken_metrics_port_fails_at_start(tmp_path: Path, logs: Path) -> None:
+def test_a_taken_metrics_port_fails_at_start(
+    tmp_path: Path, logs: Path, start_daemon: StartDaemon
+) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -339,28 +335,26 @@ def test_a_taken_metrics_port_fails_at_start(tmp_path: Path, logs: Path) -> None
         config = write_config(
             tmp_path / "nw.toml", [logs], f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
         )
-        daemon = Daemon(tmp_path, config)
-        try:
-            assert daemon.proc.wait(60) == 78
-        finally:
-            daemon.kill()
-    assert "[metrics] listen" in daemon.log() and "pick a free port" in daemon.log()
+        daemon = start_daemon(config)
+        assert daemon.wait(60) == 78
+    assert "[metrics] listen" in daemon.output() and "pick a free port" in daemon.output()
 
 
-def test_a_configured_work_dir_made_after_start_is_followed(tmp_path: Path) -> None:
+def test_a_configured_work_dir_made_after_start_is_followed(
+    tmp_path: Path, start_daemon: StartDaemon
+) -> None:
     """`[sources] paths` names where the job will write; the service starts first (at boot).
     The line must come through inotify, well before the 30 s safety rescan."""
     work = tmp_path / "job" / "work_dirs"
     notify = NotifySocket(str(tmp_path / "notify.sock"))
-    daemon = Daemon(tmp_path, write_config(tmp_path / "nw.toml", [work]), notify)
+    daemon = start_daemon(write_config(tmp_path / "nw.toml", [work]), notify)
     try:
         notify.wait("READY", "1")
         (work / "20261130_101500").mkdir(parents=True)
         (work / "20261130_101500" / "20261130_101500.log").write_text(nan_line(7))
         # half the rescan's period: what arrives came through inotify
         wait_for(lambda: count(daemon.db) == 1, timeout=15, what="the event from the new folder")
-        assert daemon.stop() == 0, daemon.log()
+        assert daemon.stop() == 0, daemon.output()
     finally:
-        daemon.kill()
         notify.close()
-    assert "does not exist yet; it is followed once it appears" in daemon.log()
+    assert "does not exist yet; it is followed once it appears" in daemon.output()

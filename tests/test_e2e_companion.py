@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 from nanwatch.detect import companion
 
-from .conftest import NANWATCH, nanwatch, wait_for
+from .conftest import StartWatch, nanwatch, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TRAIN = Path(__file__).parent / "e2e" / "mmengine_hook_train.py"
@@ -49,49 +48,40 @@ def _json_lines(*args: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in nanwatch(*args).stdout.splitlines()]
 
 
-def test_hook_facts_and_empty_ground_truth_of_a_real_mmengine_run(tmp_path: Path) -> None:
+def test_hook_facts_and_empty_ground_truth_of_a_real_mmengine_run(
+    tmp_path: Path, start_watch: StartWatch
+) -> None:
     mmengine = pytest.importorskip("mmengine")
     torch = pytest.importorskip("torch")
     work = tmp_path / "work_dirs" / "dino"
     work.mkdir(parents=True)
     db = tmp_path / "nw.db"
-    out = (tmp_path / "watch.out").open("wb")
-    watch = subprocess.Popen(
-        [*NANWATCH, "watch", "--db", str(db), str(work)], stdout=out, stderr=subprocess.STDOUT
-    )
+    watch = start_watch(work, db=db, quiet=False)
     env = {**os.environ, "SLURM_JOB_ID": "4242", "HCCL_EXEC_TIMEOUT": "3600"}
     # torchrun and mmengine print a banner before mmengine's launch folder exists when these
     # are unset; stdout.log would then be read as a run of its own
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.pop("TORCHELASTIC_RUN_ID", None)  # torchrun sets its own
-    try:
-        wait_for(db.exists, timeout=30, what="the database")
-        with (work / "stdout.log").open("wb") as stdout:
-            train = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    "--nproc-per-node",
-                    "2",
-                    str(TRAIN),
-                    str(work),
-                ],
-                stdout=stdout,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=300,
-            )
-        assert train.returncode == 0, (work / "stdout.log").read_text()[-3000:]
-        wait_for(lambda: _linked(db) >= 2, timeout=60, what="the samples linked to the NaN")
-        watch.send_signal(signal.SIGTERM)
-        assert watch.wait(20) == 0
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
-        out.close()
+    with (work / "stdout.log").open("wb") as stdout:
+        train = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(TRAIN),
+                str(work),
+            ],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=300,
+        )
+    assert train.returncode == 0, (work / "stdout.log").read_text()[-3000:]
+    wait_for(lambda: _linked(db) >= 2, timeout=60, what="the samples linked to the NaN")
+    assert watch.stop() == 0, watch.output()[-3000:]
 
     # the run's facts: one run (mmengine's launch folder, its config dump and stdout)
     (run,) = _json_lines("runs", "--db", str(db), "--json")

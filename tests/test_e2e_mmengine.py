@@ -3,48 +3,36 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, nanwatch, wait_for
+from .conftest import StartWatch, nanwatch, wait_for
 from .test_kill import event_count
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TRAIN = Path(__file__).parent / "e2e" / "mmengine_train.py"
 
 
-def test_first_nan_of_a_real_mmengine_run(tmp_path: Path) -> None:
+def test_first_nan_of_a_real_mmengine_run(tmp_path: Path, start_watch: StartWatch) -> None:
     pytest.importorskip("mmengine")
     work = tmp_path / "work_dirs" / "toy"
     work.mkdir(parents=True)
     db = tmp_path / "nw.db"
-    out = (tmp_path / "watch.out").open("wb")
-    watch = subprocess.Popen(
-        [*NANWATCH, "watch", "--db", str(db), str(work)], stdout=out, stderr=subprocess.STDOUT
-    )
-    try:
-        wait_for(db.exists, timeout=30, what="the database")
-        with (work / "stdout.log").open("wb") as stdout:
-            train = subprocess.run(
-                [sys.executable, str(TRAIN), str(work), "9", "2"],
-                stdout=stdout,
-                stderr=subprocess.STDOUT,
-                timeout=300,
-            )
-        assert train.returncode == 0, (work / "stdout.log").read_text()[-3000:]
-        # 23 NaN lines in mmengine's log file and again in the captured stdout
-        wait_for(lambda: event_count(db) >= 46, timeout=60, what="the NaN events")
-        watch.send_signal(signal.SIGTERM)
-        assert watch.wait(20) == 0
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
-        out.close()
+    watch = start_watch(work, db=db, quiet=False)
+    with (work / "stdout.log").open("wb") as stdout:
+        train = subprocess.run(
+            [sys.executable, str(TRAIN), str(work), "9", "2"],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    assert train.returncode == 0, (work / "stdout.log").read_text()[-3000:]
+    # 23 NaN lines in mmengine's log file and again in the captured stdout
+    wait_for(lambda: event_count(db) >= 46, timeout=60, what="the NaN events")
+    assert watch.stop() == 0, watch.output()[-3000:]
     events = [
         json.loads(x)
         for x in nanwatch("events", "--db", str(db), "--json", "--kind", "nan").stdout.splitlines()

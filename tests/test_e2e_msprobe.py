@@ -8,7 +8,6 @@ ranks. nanwatch must name rank 1, step 3, the unreduced gradient of the embeddin
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, nanwatch, wait_for
+from .conftest import StartWatch, nanwatch, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TRAIN = Path(__file__).parent / "e2e" / "msprobe_train.py"
@@ -33,50 +32,41 @@ def _incidents(db: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in out.stdout.splitlines()] if out.returncode == 0 else []
 
 
-def test_first_nan_of_a_real_msprobe_ddp_run(tmp_path: Path) -> None:
+def test_first_nan_of_a_real_msprobe_ddp_run(tmp_path: Path, start_watch: StartWatch) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("msprobe")
     job = tmp_path / "job"
     job.mkdir()
     db = tmp_path / "nw.db"
-    log = (tmp_path / "watch.out").open("wb")
-    watch = subprocess.Popen(
-        [*NANWATCH, "watch", "--db", str(db), str(job)], stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        wait_for(db.exists, timeout=30, what="the database")
-        with (job / "stdout.log").open("wb") as stdout:
-            train = subprocess.run(
-                [
-                    sys.executable,
-                    str(TRAIN),
-                    str(job),
-                    "--ranks=2",
-                    "--steps=6",
-                    "--nan-rank=1",
-                    "--nan-step=3",
-                    "--nan-in=embedding",
-                    "--pause=0.2",
-                    f"--port={_free_port()}",
-                ],
-                stdout=stdout,
-                stderr=subprocess.STDOUT,
-                timeout=240,
-            )
-        assert train.returncode == 0, (job / "stdout.log").read_text()[-3000:]
+    watch = start_watch(job, db=db, quiet=False)
+    with (job / "stdout.log").open("wb") as stdout:
+        train = subprocess.run(
+            [
+                sys.executable,
+                str(TRAIN),
+                str(job),
+                "--ranks=2",
+                "--steps=6",
+                "--nan-rank=1",
+                "--nan-step=3",
+                "--nan-in=embedding",
+                # steps a little apart, so the monitor's files come while `watch` follows
+                # them; the run is over before any assertion, none depends on this
+                "--pause=0.2",
+                f"--port={_free_port()}",
+            ],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            timeout=240,
+        )
+    assert train.returncode == 0, (job / "stdout.log").read_text()[-3000:]
 
-        def located() -> bool:
-            incs = _incidents(db)
-            return bool(incs) and incs[0]["origin"].get("first_param") is not None  # type: ignore[union-attr]
+    def located() -> bool:
+        incs = _incidents(db)
+        return bool(incs) and incs[0]["origin"].get("first_param") is not None  # type: ignore[union-attr]
 
-        wait_for(located, timeout=60, what="the NaN incident")
-        watch.send_signal(signal.SIGTERM)
-        assert watch.wait(20) == 0
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
-        log.close()
+    wait_for(located, timeout=60, what="the NaN incident")
+    assert watch.stop() == 0, watch.output()[-3000:]
 
     incidents = _incidents(db)
     assert [i["kind"] for i in incidents] == ["nan"]

@@ -7,29 +7,16 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import NANWATCH, ROOT, wait_for
+from .conftest import NANWATCH, ROOT, StartWatch, wait_for
 from .test_sources import nan_line
 
 pytestmark = pytest.mark.slow
-
-
-def start_watch(db: Path, path: Path, log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("ab")
-    try:
-        return subprocess.Popen(
-            [*NANWATCH, "watch", "--quiet", "--db", str(db), str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    finally:
-        out.close()
 
 
 def event_count(db: Path) -> int:
@@ -45,7 +32,27 @@ def event_count(db: Path) -> int:
         return 0
 
 
-def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+def caught_up(db: Path, logs: Path) -> bool:
+    """Every file below ``logs`` is committed to its last byte (files known by device and
+    inode, as the daemon knows them): nothing is left that could still become an event."""
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = conn.execute("SELECT dev, ino, offset FROM sources").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+    committed = {(dev, ino): off for dev, ino, off in rows}
+    for p in logs.rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            if committed.get((st.st_dev, st.st_ino)) != st.st_size:
+                return False
+    return True
+
+
+def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path, start_watch: StartWatch) -> None:
     seed = int(os.environ.get("NANWATCH_TEST_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     logs = tmp_path / "logs"
@@ -54,6 +61,7 @@ def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     out = tmp_path / "watch.out"
     ranks, per_rank = 3, 200
     done = threading.Event()
+    written = [0]
 
     def writer() -> None:
         handles = [open(logs / f"rank{r}.log", "a", buffering=1) for r in range(ranks)]  # noqa: SIM115
@@ -61,32 +69,36 @@ def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
             for i in range(1, per_rank + 1):
                 for h in handles:
                     h.write(nan_line(i))
-                time.sleep(0.004)
+                written[0] = i
+                # paces the writer like a training loop, so the kills land while it writes;
+                # the kill points are iterations, no assertion depends on this duration
+                time.sleep(0.02)
         finally:
             for h in handles:
                 h.close()
             done.set()
 
     t = threading.Thread(target=writer, name="writer")
-    proc = start_watch(db, logs, out)
+    watch = start_watch(logs, db=db, out=out, ready=False)
     t.start()
     try:
-        for _ in range(3):
-            time.sleep(rng.uniform(0.2, 0.7))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-            proc = start_watch(db, logs, out)
+        # each kill comes once the process has committed something and the writer has
+        # passed a random iteration: an instant inside a pass, chosen by progress, not time
+        for at in sorted(rng.sample(range(10, per_rank), 3)):
+            before = event_count(db)
+            wait_for(
+                lambda b=before: event_count(db) > b or done.is_set(),
+                timeout=60,
+                what="a commit by the restarted process",
+            )
+            wait_for(lambda a=at: written[0] >= a, timeout=60, what=f"iteration {at}")
+            assert watch.kill() == -signal.SIGKILL
+            watch = start_watch(logs, db=db, out=out, ready=False)
         t.join(60)
         assert done.is_set()
-        expected = ranks * per_rank
-        wait_for(lambda: event_count(db) >= expected, timeout=60, what=f"{expected} events")
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, out.read_text()
+        wait_for(lambda: caught_up(db, logs), timeout=60, what="every byte committed")
+        assert watch.stop() == 0, watch.output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
         t.join(60)
     conn = sqlite3.connect(db)
     rows = conn.execute(
@@ -98,97 +110,82 @@ def test_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert got == want, f"seed {seed}: {len(got)} events, want {len(want)}"
 
 
-def test_sigterm_exits_zero_quickly(tmp_path: Path) -> None:
+def test_sigterm_exits_zero_quickly(tmp_path: Path, start_watch: StartWatch) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "rank0.log").write_text(nan_line(1))
     db = tmp_path / "nw.db"
-    proc = start_watch(db, logs, tmp_path / "out")
-    try:
-        wait_for(lambda: event_count(db) == 1, timeout=30, what="the first event")
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
-        assert time.monotonic() - t0 < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert sys.executable
+    watch = start_watch(logs, db=db)
+    assert event_count(db) == 1  # ready: the first pass is committed
+    # the bound is the daemon's own promise (systemd's stop timeout is far longer)
+    assert watch.stop(timeout=5) == 0
+    assert "stopped: everything read is committed" in watch.output()
 
 
-def test_one_writer_per_database_but_silences_still_work(tmp_path: Path) -> None:
+def test_one_writer_per_database_but_silences_still_work(
+    tmp_path: Path, start_watch: StartWatch
+) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "rank0.log").write_text(nan_line(1))
     db = tmp_path / "nw.db"
-    proc = start_watch(db, logs, tmp_path / "out")
-    try:
-        wait_for(lambda: event_count(db) == 1, timeout=30, what="the first event")
-        second = subprocess.run(
-            [*NANWATCH, "scan", "--db", str(db), str(logs)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert second.returncode == 1
-        assert f"pid {proc.pid}" in second.stderr and "another nanwatch process" in second.stderr
-        silence = subprocess.run(
-            [*NANWATCH, "silence", "--db", str(db), "--kind", "nan", "--for", "2h"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert silence.returncode == 0, silence.stderr
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    watch = start_watch(logs, db=db)
+    assert event_count(db) == 1
+    second = subprocess.run(
+        [*NANWATCH, "scan", "--db", str(db), str(logs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert f"pid {watch.pid}" in second.stderr and "another nanwatch process" in second.stderr
+    silence = subprocess.run(
+        [*NANWATCH, "silence", "--db", str(db), "--kind", "nan", "--for", "2h"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert silence.returncode == 0, silence.stderr
+    assert watch.stop() == 0
 
 
-def test_a_second_writer_through_another_name_is_refused(tmp_path: Path) -> None:
+def test_a_second_writer_through_another_name_is_refused(
+    tmp_path: Path, start_watch: StartWatch
+) -> None:
     """The lock is the database file's, not its name's: a symlink, a hard link or a relative
     path to a database being written is refused, naming the writer; readers still read."""
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "rank0.log").write_text("".join(nan_line(i) for i in range(1, 51)))
     db = tmp_path / "nw.db"
-    proc = start_watch(db, logs, tmp_path / "out")
-    try:
-        wait_for(lambda: event_count(db) == 50, timeout=30, what="the first events")
-        other = tmp_path / "elsewhere"
-        other.mkdir()
-        (other / "sym.db").symlink_to(db)
-        os.link(db, other / "hard.db")
-        names = [str(other / "sym.db"), str(other / "hard.db"), os.path.relpath(db, other)]
-        for name in names:
-            second = subprocess.run(
-                [*NANWATCH, "scan", "--db", name, str(logs)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                cwd=other,  # the relative name is relative to here; this checkout is imported
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-            assert second.returncode == 1, (name, second.stdout, second.stderr)
-            assert f"pid {proc.pid}" in second.stderr, (name, second.stderr)
-            assert "another nanwatch process" in second.stderr
-        reader = subprocess.run(
-            [*NANWATCH, "events", "--db", str(db), "--json"],
+    watch = start_watch(logs, db=db)
+    assert event_count(db) == 50
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "sym.db").symlink_to(db)
+    os.link(db, other / "hard.db")
+    names = [str(other / "sym.db"), str(other / "hard.db"), os.path.relpath(db, other)]
+    for name in names:
+        second = subprocess.run(
+            [*NANWATCH, "scan", "--db", name, str(logs)],
             capture_output=True,
             text=True,
             timeout=60,
+            cwd=other,  # the relative name is relative to here; this checkout is imported
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
-        assert reader.returncode == 0, reader.stderr
-        assert len(reader.stdout.splitlines()) == 50
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert second.returncode == 1, (name, second.stdout, second.stderr)
+        assert f"pid {watch.pid}" in second.stderr, (name, second.stderr)
+        assert "another nanwatch process" in second.stderr
+    reader = subprocess.run(
+        [*NANWATCH, "events", "--db", str(db), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert reader.returncode == 0, reader.stderr
+    assert len(reader.stdout.splitlines()) == 50
+    assert watch.stop() == 0
     assert event_count(db) == 50
     conn = sqlite3.connect(db)
     try:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from nanwatch.correlate import facts
 from nanwatch.correlate.facts import node_cann_version, satisfies, version_key
 from nanwatch.correlate.knowledge import Knowledge, Situation
 from nanwatch.errors import RuleError
@@ -106,7 +107,9 @@ def test_version_key_orders_rc_before_final() -> None:
     assert version_key("8.0.RC1") < version_key("8.0.RC2") < version_key("8.0.0")
 
 
-def test_node_cann_version_from_toolkit_files(tmp_path: Path) -> None:
+def test_node_cann_version_from_toolkit_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home = tmp_path / "ascend-toolkit" / "latest"
     (home / "aarch64-linux").mkdir(parents=True)
     (home / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
@@ -115,9 +118,14 @@ def test_node_cann_version_from_toolkit_files(tmp_path: Path) -> None:
     assert node_cann_version({"ASCEND_TOOLKIT_HOME": str(home)})[0] == "7.0.0"
     (home / "version.cfg").write_text("runtime_running_version=[7.0.RC1.3.b060:7.0.RC1]\n")
     assert node_cann_version({"ASCEND_TOOLKIT_HOME": str(home)})[0] == "7.0.RC1"
-    assert (
-        node_cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path / "none")})[0] in (None, "") or True
-    )
+    # a home that does not exist is passed over for the next place (this node's own install
+    # dirs, pointed at an empty folder so the answer does not depend on the machine)
+    monkeypatch.setattr(facts, "_TOOLKIT_DIRS", (str(tmp_path / "no-install"),))
+    missing = {"ASCEND_TOOLKIT_HOME": str(tmp_path / "none")}
+    assert node_cann_version(missing) == (None, None)
+    assert node_cann_version({**missing, "ASCEND_HOME_PATH": str(home)})[0] == "7.0.RC1"
+    monkeypatch.setattr(facts, "_TOOLKIT_DIRS", (str(tmp_path / "no-install"), str(home)))
+    assert node_cann_version(missing) == ("7.0.RC1", str(home / "version.cfg"))
 
 
 def test_broken_entry_names_file_and_id(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import wait_for
-from .test_kill import event_count, start_watch
+from .conftest import StartWatch, wait_for
+from .test_kill import caught_up
 from .test_sources import nan_line
 
 pytestmark = pytest.mark.slow
@@ -54,6 +54,8 @@ class Writer(threading.Thread):
                 for h in handles:
                     h.write(nan_line(i))  # type: ignore[attr-defined]
                 self.done_upto = i
+                # paces it like a training loop so rotations and kills come while it writes;
+                # they are placed by iteration (until()), no assertion depends on this duration
                 time.sleep(0.01)
         except BaseException as e:  # pragma: no cover - reported by the test
             self.error = e
@@ -76,21 +78,22 @@ def rotate(logs: Path, tmp: Path, mode: str) -> None:
 
 
 @pytest.mark.skipif(LOGROTATE is None, reason="logrotate is not installed (make sysdeps)")
-def test_logrotate_and_sigkills_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+def test_logrotate_and_sigkills_lose_and_duplicate_nothing(
+    tmp_path: Path, start_watch: StartWatch
+) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     db = tmp_path / "nw.db"
     out = tmp_path / "watch.out"
     ranks, iterations = 3, 200
     writer = Writer(logs, ranks, iterations)
-    proc = start_watch(db, logs, out)
+    watch = start_watch(logs, db=db, out=out, ready=False)
     writer.start()
 
     def kill_and_restart() -> None:
-        nonlocal proc
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        proc = start_watch(db, logs, out)
+        nonlocal watch
+        assert watch.kill() == -signal.SIGKILL
+        watch = start_watch(logs, db=db, out=out, ready=False)
 
     def until(i: int) -> None:
         wait_for(lambda: writer.done_upto >= i, timeout=60, what=f"iteration {i}")
@@ -112,16 +115,11 @@ def test_logrotate_and_sigkills_lose_and_duplicate_nothing(tmp_path: Path) -> No
         kill_and_restart()
         writer.join(60)
         assert writer.error is None and writer.done_upto == iterations
-        expected = ranks * iterations
-        wait_for(lambda: event_count(db) >= expected, timeout=60, what=f"{expected} events")
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, out.read_text()[-2000:]
+        # every byte of every file (rotated ones included) committed: nothing more can come
+        wait_for(lambda: caught_up(db, logs), timeout=60, what="every byte committed")
+        assert watch.stop() == 0, watch.output()[-2000:]
     finally:
         writer.go.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         writer.join(60)
     assert sorted(p.name for p in logs.iterdir())[:3] == ["rank0.log", "rank0.log.1", "rank0.log.2"]
     conn = sqlite3.connect(db)

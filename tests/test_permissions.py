@@ -26,7 +26,7 @@ from nanwatch.errors import ConfigError
 from nanwatch.notify.slack_api import slack_settings
 from nanwatch.store import files
 
-from .conftest import NANWATCH, ROOT, wait_for
+from .conftest import NANWATCH, ROOT, StartWatch
 from .test_sources import nan_line
 
 UNIT = ROOT / "systemd" / "nanwatch.service"
@@ -191,28 +191,22 @@ def _as_nobody(*args: str, groups: list[int]) -> subprocess.CompletedProcess[str
 
 
 @needs_root
-def test_the_service_database_is_readable_by_its_group_only(open_dir: Path) -> None:
+def test_the_service_database_is_readable_by_its_group_only(
+    open_dir: Path, start_watch: StartWatch
+) -> None:
     state = open_dir / "state"
     state.mkdir(mode=0o750)
     os.chown(state, -1, OTHER_GID)
     db = state / "nanwatch.db"
-    proc = subprocess.Popen(
-        [*NANWATCH, "watch", "--db", str(db), str(open_dir / "logs")],
-        preexec_fn=_umask_022,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: Path(f"{db}-shm").exists(), timeout=30, what="the writer's -shm")
-        for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
-            assert _mode(p) == 0o640, p
-            assert os.stat(p).st_gid == OTHER_GID, p
-        member = _as_nobody("incidents", "--db", str(db), groups=[OTHER_GID])
-        assert member.returncode == 0, member.stderr
-        outsider = _as_nobody("incidents", "--db", str(db), groups=[])
-        assert outsider.returncode != 0
-        assert str(db) in outsider.stderr and "Traceback" not in outsider.stderr
-        assert f"add yourself to group {OTHER_GID}" in outsider.stderr, outsider.stderr
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
+    # ready: the writer holds the database in WAL mode, -wal and -shm included
+    watch = start_watch(open_dir / "logs", db=db, preexec_fn=_umask_022)
+    for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+        assert _mode(p) == 0o640, p
+        assert os.stat(p).st_gid == OTHER_GID, p
+    member = _as_nobody("incidents", "--db", str(db), groups=[OTHER_GID])
+    assert member.returncode == 0, member.stderr
+    outsider = _as_nobody("incidents", "--db", str(db), groups=[])
+    assert outsider.returncode != 0
+    assert str(db) in outsider.stderr and "Traceback" not in outsider.stderr
+    assert f"add yourself to group {OTHER_GID}" in outsider.stderr, outsider.stderr
+    assert watch.stop() == 0

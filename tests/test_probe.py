@@ -7,7 +7,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +147,19 @@ def test_ids_are_never_read_from_a_device() -> None:
 
 def test_data_lines_are_rate_limited_and_say_what_they_left_out() -> None:
     out = io.StringIO()
-    p = Probe(stream=out, lines_per_minute=60 * 100, burst=1)
+    now = [1000.0]
+    p = Probe(stream=out, lines_per_minute=60 * 4, burst=1, clock=lambda: now[0])
     p.check_batch(labels=[[]], images=["a.jpg"])  # the burst
     p.check_batch(labels=[[]], images=["b.jpg"])  # no token yet: counted, not printed
     assert p.suppressed == 1
-    time.sleep(0.05)  # 100 lines a second: a token is back
+    now[0] += 0.125  # 4 lines a second: half a token, still none to spend
+    p.check_batch(labels=[[]], images=["b2.jpg"])
+    assert p.suppressed == 2
+    now[0] += 0.125  # a whole token is back
     p.check_batch(labels=[[], [1]], images=["c.jpg", "d.jpg"])
     got = [(d["image"], d.get("suppressed")) for _, d in records(out.getvalue())]
-    assert got == [("a.jpg", None), ("c.jpg", 1)]
-    assert p.empty_samples == 3
+    assert got == [("a.jpg", None), ("c.jpg", 2)]
+    assert p.empty_samples == 4
 
 
 def test_a_record_is_printed_once_per_console(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...errors import SourceError
 from ...events import Event, format_utc
 from ...sources.monitor import MonitorFile, classify
 from ...stream import StreamState
@@ -61,8 +62,9 @@ def classify_alert(
     return True, ""
 
 
-class Rewritten(Exception):
-    """A dump no longer continues what was read from it: it was started afresh."""
+class Rewritten(SourceError):
+    """A dump no longer continues what was read from it: it was started afresh (the caller
+    reads it again from the start, as a new generation of the same file)."""
 
 
 def read_dump(
@@ -103,7 +105,7 @@ def read_dump(
         if done > 0 and not force:
             # rewritten from scratch (msprobe starts every launch with `{}`): a new
             # generation of the file, whose keys may repeat the old one's
-            raise Rewritten(path)
+            raise Rewritten(f"{path}: started afresh; read it again from the start")
         done = 0
     fams: dict[str, Any] = dict(ms.get("fam") or {})
     rows: dict[str, Any] = dict(ms.get("r") or {})
