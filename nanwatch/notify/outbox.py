@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..correlate import Change
-from ..errors import DeliveryError
+from ..errors import DeliveryError, NanwatchError
 from ..events import format_utc
 from ..store.db import Store
 from ..store.outbox import SILENCED, OutboxStore
@@ -93,7 +93,7 @@ class Sink(Protocol):
         """Deliver one outbox row (and the ``absorbed`` ones merged into it)."""
 
 
-class Deferred(Exception):
+class Deferred(NanwatchError):
     """Hold a row until ``until`` (epoch seconds); not a failed attempt."""
 
     def __init__(self, reason: str, until: float) -> None:
