@@ -25,7 +25,7 @@ from ..store.fleet import (
 from ..store.merge import carry_over_resolutions
 from .incidents import Change, Correlator
 
-__all__ = ["SILENT_AFTER", "Cycle", "FleetCorrelator", "SilentNode"]
+__all__ = ["SILENT_AFTER", "Cycle", "FleetCorrelator", "SilentNode", "silent_nodes"]
 
 SILENT_AFTER = 3.0  # heartbeats missed before a node counts as silent
 PULL_BATCH = 20000

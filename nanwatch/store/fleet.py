@@ -47,8 +47,13 @@ __all__ = [
     "FleetEvent",
     "FleetStore",
     "ForwardReport",
+    "import_events",
+    "import_lifecycles",
     "is_dsn",
+    "pulled_upto",
     "safe_dsn",
+    "waiting",
+    "work_members",
 ]
 
 LOCK_KEY = 0x6E616E77  # "nanw": the advisory lock one `nanwatch fleet` holds while it works
@@ -716,7 +721,7 @@ def _why(e: BaseException) -> str:
     return text
 
 
-def dumps(value: JSON) -> str:
+def _dumps(value: JSON) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
@@ -763,7 +768,7 @@ def import_events(work: Store, events: Sequence[FleetEvent]) -> int:
                 (
                     ev.kind, ev.time, ev.ingested_at, run_id, source_id, ev.offset, ev.key,
                     ev.line, ev.rank, ev.local_rank, ev.host or ev.node, ev.epoch, ev.iter,
-                    ev.step, ev.stage, ev.device, ev.message, dumps(dict(ev.fields)),
+                    ev.step, ev.stage, ev.device, ev.message, _dumps(dict(ev.fields)),
                 ),
             )  # fmt: skip
             if cur.rowcount:
@@ -837,7 +842,3 @@ def work_members(work: Store, incident_ids: Sequence[int]) -> list[tuple[str, in
         list(incident_ids),
     ).fetchall()
     return [(str(o).removeprefix("fleet:"), int(s), int(i)) for o, s, i in rows]
-
-
-def work_incident_ids(work: Store) -> list[int]:
-    return [int(r[0]) for r in work.conn.execute("SELECT id FROM incidents ORDER BY id")]

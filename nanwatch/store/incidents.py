@@ -18,7 +18,14 @@ from ..events import now_utc
 from .db import Store
 from .records import JSON, Incident, Run, loads
 
-__all__ = ["INCIDENT_COLUMNS", "IncidentUpdate", "Incidents", "NewIncident", "StatusChange"]
+__all__ = [
+    "INCIDENT_COLUMNS",
+    "IncidentUpdate",
+    "Incidents",
+    "NewIncident",
+    "StatusChange",
+    "incident_from_row",
+]
 
 INCIDENT_COLUMNS = (
     "id, run_id, kind, key, title, status, severity, ranks, first_time, last_time, event_count, "
