@@ -9,6 +9,8 @@ from typing import Any
 
 from ..events import Metric
 from ..stream import StreamState
+from . import prefilter
+from .prefilter import Prefilter
 from .rules import TIERS, Rule, RuleSet, normalize_stage
 
 _NAMED = re.compile(r"\(\?P<\w+>")
@@ -42,22 +44,18 @@ class Compiled:
         self.cap = max((r.max_chars for r in rules.rules), default=0)
         self._union: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
         self._plans: dict[frozenset[int], tuple[ChunkPlan, ...]] = {}
-        self.ac: Any = None
-        self.prefilter: Any = None
-        if automaton and lits:
-            try:
-                import ahocorasick_rs
+        self._automaton = automaton
+        self._single: dict[int, frozenset[int]] = {}
+        # prefilters are built on first use (a start that reads nothing builds none): the whole
+        # literal set, and per columns format the literals its rows do not need (columns.py)
+        self._filters: dict[tuple[int, bool], tuple[Prefilter, list[int]]] = {}
+        from .columns import ColumnFormat  # columns builds on this module's plans
 
-                # a DFA: ~1.5x the default NFA's speed on log text, for ~1 MB of tables
-                self.ac = ahocorasick_rs.BytesAhoCorasick(
-                    lits, implementation=ahocorasick_rs.Implementation.DFA
-                )
-            except ImportError:  # pragma: no cover - a platform without the wheel
-                self.ac = None
-        if self.ac is None and lits:
-            by_len = sorted(lits, key=len, reverse=True)
-            self.prefilter = re.compile(b"|".join(re.escape(lit) for lit in by_len))
-            self.lit_index = {lit: i for i, lit in enumerate(lits)}
+        self.formats = [
+            ColumnFormat(r, i, self.prefix_sources(), self)
+            for i, r in enumerate(self.chunk_rules)
+            if r.columns is not None
+        ]
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
         # first match wins: most specific tier first, load order (site packs first) within one
         self.event_rules = sorted(
@@ -87,33 +85,50 @@ class Compiled:
 
                 self.any_prefix = regex.compile(raw, regex.V0)
 
-    def _found(self, chunk: bytes) -> list[tuple[int, int, int]]:
-        """(literal index, start, end) of every literal occurrence, overlapping ones included."""
-        if self.ac is not None:
-            found: list[tuple[int, int, int]] = self.ac.find_matches_as_indexes(
-                chunk, overlapping=True
+    def literal_filter(self, fmt: int | None = None, inert: bool = False) -> tuple[Any, list[int]]:
+        """The literal prefilter (and its literals' indexes in ``literals``): of every literal,
+        or (``fmt``: a columns format's index) of those its rows do not make redundant."""
+        key = (-1 if fmt is None else fmt, inert)
+        got = self._filters.get(key)
+        if got is None:
+            keep = list(range(len(self.literals)))
+            if fmt is not None:
+                drop = self.formats[fmt].own | (self.formats[fmt].inert_ids if inert else set())
+                keep = [i for i in keep if i not in drop]
+            backend = None if self._automaton else "regex"
+            if fmt is None and backend is None and prefilter.backend_name() == "hyperscan":
+                # every iteration line holds one of these: hyperscan's per-match callback into
+                # Python costs more than Aho-Corasick's list of matches built in Rust
+                backend = "ahocorasick"
+            got = self._filters[key] = (
+                Prefilter([self.literals[i] for i in keep], backend),
+                keep,
             )
-            return found
-        found = []
-        if self.prefilter is not None:
-            # overlapping occurrences are found by restarting one byte after each hit
-            pos = 0
-            while True:
-                m = self.prefilter.search(chunk, pos)
-                if m is None:
-                    break
-                found.append((self.lit_index[m.group()], m.start(), m.end()))
-                pos = m.start() + 1
-        return found
+        return got
 
-    def lines(self, chunk: bytes) -> dict[int, list[Any]]:
+    def _found(self, chunk: bytes, fmt: int | None = None) -> list[tuple[int, int, int]]:
+        """(literal index, start, end) of every literal occurrence, overlapping ones included;
+        with ``fmt``, of the literals that the columns format's rows leave to the line engine."""
+        inert = False
+        if fmt is not None:
+            # an inert literal drops out only when each of its occurrences is inside a marker
+            f = self.formats[fmt]
+            inert = all(chunk.count(lit) == chunk.count(m) for lit, m in f.inert)
+        pf, keep = self.literal_filter(fmt, inert)
+        found: list[tuple[int, int, int]] = pf.find(chunk)
+        if fmt is None:
+            return found
+        return [(keep[i], s, e) for i, s, e in found]
+
+    def lines(self, chunk: bytes, fmt: int | None = None) -> dict[int, list[Any]]:
         """The lines worth a look: start -> [end, literals of line rules it holds (or None),
-        the chunk rules whose literals it holds (or None)]."""
+        the chunk rules whose literals it holds (or None)]; ``fmt``: a columns format reads
+        its own rows (they are here only when other rules' literals occur in them)."""
         out: dict[int, list[Any]] = {}
         lit_line, lit_chunk, union = self.lit_line, self.lit_chunk, self._union
         line_start = line_end = skip = limit = -1
         entry: list[Any] = []
-        for idx, s, _ in self._found(chunk):
+        for idx, s, _ in self._found(chunk, fmt):
             if s < skip:
                 continue  # past what any rule examines of a long line (bounds.py)
             if not line_start <= s < line_end:
@@ -158,6 +173,32 @@ class Compiled:
                 chunk_hits[start] = set(rules)
         return candidates, chunk_hits
 
+    def prefix_sources(self) -> list[str]:
+        """The prefix patterns without their anchor and group names (one bytes check)."""
+        return [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
+
+    def format_for(self, chunk: bytes) -> int | None:
+        """The columns format whose rows this chunk holds (None: none, or more than one)."""
+        found = None
+        for i, f in enumerate(self.formats):
+            if any(m in chunk for m in f.markers):
+                if found is not None:
+                    return None
+                found = i
+        return found
+
+    def with_rule(self, rules: frozenset[int] | None, index: int) -> frozenset[int]:
+        """``rules`` and the chunk rule ``index`` (the sets are shared: kept, never mutated)."""
+        one = self._single.get(index)
+        if one is None:
+            one = self._single[index] = frozenset((index,))
+        if rules is None or rules == one:
+            return one
+        both = self._union.get((rules, one))
+        if both is None:
+            both = self._union[(rules, one)] = rules | one
+        return both
+
     def plans(self, rules: frozenset[int]) -> tuple[ChunkPlan, ...]:
         """The chunk rules of a set of indexes, in rule order."""
         got = self._plans.get(rules)
@@ -175,12 +216,13 @@ class ChunkPlan:
 
     __slots__ = ("cre", "keys", "metrics", "rule", "stages", "ts")
 
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, cre: Any = None) -> None:
         assert rule.chunk_cre is not None
-        names = set(rule.chunk_cre.groupindex)
+        cre = rule.chunk_cre if cre is None else cre  # a columns format's rows regex
+        names = set(cre.groupindex)
         self.rule = rule
-        self.cre = rule.chunk_cre
-        index = {name: i - 1 for name, i in rule.chunk_cre.groupindex.items()}  # in groups()
+        self.cre = cre
+        index = {name: i - 1 for name, i in cre.groupindex.items()}  # in groups()
         # (state key, the rule's constant for it or None, the group's place in groups())
         self.keys = tuple(
             (k, rule.set.get(k), index.get(k, -1))

@@ -271,6 +271,7 @@ class Rule:
     max_chars: int = LINE_LIMIT  # characters of a line the pattern examines (see bounds.py)
     opens: str | None = None  # a context rule: the record (traceback) this line opens
     within: str | None = None  # an event rule: only tried inside an open record of this name
+    columns: str | None = None  # a chunk rule's line head: whole chunks read as columns
 
     @property
     def chunk(self) -> bool:
@@ -334,6 +335,7 @@ _RULE_KEYS = {
     "entry",
     "opens",
     "within",
+    "columns",
 }
 _EXAMPLE_KEYS = {
     "line",
@@ -564,6 +566,9 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(src, rid, f"`{key}` is only for {want} rules")
             if not isinstance(val, str) or not val.isidentifier():
                 raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
+        columns = raw.get("columns")
+        if columns is not None:
+            _check_columns(src, rid, raw, columns, groups, sets)
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -598,8 +603,36 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 entry=bool(raw.get("entry", False)),
                 opens=opens,
                 within=within,
+                columns=columns,
             )
         )
+
+
+# stream-state keys a columns rule may set: the rest needs the line engine's bookkeeping
+_COLUMN_KEYS = {"stage", "epoch", "iter", "iters", "step"}
+
+
+def _check_columns(
+    src: Path, rid: str, raw: Mapping[str, Any], head: object, groups: tuple[str, ...], sets: Any
+) -> None:
+    """``columns`` (a line head pattern): only for the chunk rules the column reader can read
+    exactly as the line engine does (columns.py)."""
+    if not isinstance(head, str) or not head:
+        raise _fail(src, rid, "columns must be the pattern of the line's head before the match")
+    if not raw.get("chunk") or raw.get("type") != "context" or raw.get("hint"):
+        raise _fail(src, rid, "`columns` is only for chunk context rules (chunk = true)")
+    try:
+        re.compile(head.encode())
+    except re.error as e:
+        raise _fail(src, rid, f"columns does not compile: {e}") from None
+    state = {g for g in groups if g in _STATE_KEYS} | set(sets)
+    if "ts" in groups or not state <= _COLUMN_KEYS:
+        raise _fail(
+            src, rid, f"a columns rule sets only {', '.join(sorted(_COLUMN_KEYS))} (no ts group)"
+        )
+    for k, v in sets.items():
+        if k != "stage" and not isinstance(v, int):
+            raise _fail(src, rid, f"set.{k}: a columns rule sets integers")
 
 
 def pack_files(dirs: Iterable[Path]) -> list[Path]:
