@@ -99,8 +99,7 @@ class ColumnFormat:
         self.own = {
             i
             for i, lit in enumerate(c.literals)
-            if lit in self.markers
-            and not any(lit.decode() in r.literals for r in c.rules.rules if r is not rule)
+            if lit in self.markers and all(r is rule for r in c.users[lit.decode()])
         }
         self.inert = inert_literals(rule, self.markers, c)
         self.inert_ids = {c.literals.index(lit) for lit, _ in self.inert}
@@ -122,11 +121,12 @@ class ColumnFormat:
         self.keys = {k: (const, at) for k, const, at in self.plan.keys}
         self.max_bytes = rule.max_chars  # a longer line is examined in part: the line engine's
 
-    def parse(self, chunk: bytes) -> Rows | None:
-        """The chunk's rows, or None when they are not every line of the format (see above)."""
-        expected = 0
-        for marker in self.markers:
-            expected += chunk.count(marker)
+    def parse(self, chunk: bytes, counts: dict[bytes, int] | None = None) -> Rows | None:
+        """The chunk's rows, or None when they are not every line of the format (see above);
+        ``counts``: how often each marker occurs in the chunk, when known."""
+        if counts is None:
+            counts = {m: chunk.count(m) for m in self.markers}
+        expected = sum(counts.values())
         ms = list(self.cre.finditer(chunk))
         if len(ms) != expected:
             return None
@@ -183,7 +183,7 @@ def inert_literals(rule: Rule, markers: Sequence[bytes], c: Compiled) -> list[tu
             continue
         marker = hosts[0].decode()
         at = marker.index(lit.decode())
-        users = [r for r in c.rules.rules if r is not rule and lit.decode() in r.literals]
+        users = [r for r in c.users[lit.decode()] if r is not rule]
         ok = bool(users)
         for r in users:
             if not _starts_with_literal(r):

@@ -33,13 +33,19 @@ class Compiled:
         self.line_rules = [r for r in rules.rules if not r.chunk]
         lits = sorted({lit.encode("utf-8") for r in rules.rules for lit in r.literals})
         self.literals = lits
+        users: dict[str, list[Rule]] = {}
+        for r in rules.rules:
+            for lit in dict.fromkeys(r.literals):
+                users.setdefault(lit, []).append(r)
+        self.users = users  # literal -> the rules that name it
+        chunk_at = {id(r): i for i, r in enumerate(self.chunk_rules)}
         # literal index -> (does a line rule use it, the chunk rules that use it)
-        self.lit_line = [any(lit.decode() in r.literals for r in self.line_rules) for lit in lits]
+        self.lit_line = [any(not r.chunk for r in users[lit.decode()]) for lit in lits]
         self.lit_chunk = [
-            frozenset(i for i, r in enumerate(self.chunk_rules) if lit.decode() in r.literals)
-            for lit in lits
+            frozenset(chunk_at[id(r)] for r in users[lit.decode()] if r.chunk) for lit in lits
         ]
-        self.chunk_plans = [ChunkPlan(r) for r in self.chunk_rules]
+        # worked out when a line first needs them (a start that reads nothing needs none)
+        self.chunk_plans: list[ChunkPlan | None] = [None] * len(self.chunk_rules)
         # literals further into a line than any rule examines tell nothing: skipped cheaply
         self.cap = max((r.max_chars for r in rules.rules), default=0)
         self._union: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
@@ -65,12 +71,14 @@ class Compiled:
         n = len(self.event_rules)
         self.strength = {r.id: n - i for i, r in enumerate(self.event_rules)}
         # literal index -> positions of the rules that use it (a line only tries those)
+        ctx_at = {id(r): i for i, r in enumerate(self.context_rules)}
+        ev_at = {id(r): i for i, r in enumerate(self.event_rules)}
         self.lit_ctx = [
-            tuple(i for i, r in enumerate(self.context_rules) if lit.decode() in r.literals)
+            tuple(sorted(ctx_at[id(r)] for r in users[lit.decode()] if id(r) in ctx_at))
             for lit in lits
         ]
         self.lit_ev = [
-            tuple(i for i, r in enumerate(self.event_rules) if lit.decode() in r.literals)
+            tuple(sorted(ev_at[id(r)] for r in users[lit.decode()] if id(r) in ev_at))
             for lit in lits
         ]
         # One cheap bytes check tells whether a chunk-rule line carries a prefix at all.
@@ -106,21 +114,30 @@ class Compiled:
             )
         return got
 
-    def _found(self, chunk: bytes, fmt: int | None = None) -> list[tuple[int, int, int]]:
+    def _found(
+        self, chunk: bytes, fmt: int | None = None, counts: dict[bytes, int] | None = None
+    ) -> list[tuple[int, int, int]]:
         """(literal index, start, end) of every literal occurrence, overlapping ones included;
-        with ``fmt``, of the literals that the columns format's rows leave to the line engine."""
+        with ``fmt``, of the literals that the columns format's rows leave to the line engine
+        (``counts``: its markers' occurrences in the chunk)."""
         inert = False
         if fmt is not None:
             # an inert literal drops out only when each of its occurrences is inside a marker
             f = self.formats[fmt]
-            inert = all(chunk.count(lit) == chunk.count(m) for lit, m in f.inert)
+            known = counts or {}
+            inert = all(
+                chunk.count(lit) == (known[m] if m in known else chunk.count(m))
+                for lit, m in f.inert
+            )
         pf, keep = self.literal_filter(fmt, inert)
         found: list[tuple[int, int, int]] = pf.find(chunk)
         if fmt is None:
             return found
         return [(keep[i], s, e) for i, s, e in found]
 
-    def lines(self, chunk: bytes, fmt: int | None = None) -> dict[int, list[Any]]:
+    def lines(
+        self, chunk: bytes, fmt: int | None = None, counts: dict[bytes, int] | None = None
+    ) -> dict[int, list[Any]]:
         """The lines worth a look: start -> [end, literals of line rules it holds (or None),
         the chunk rules whose literals it holds (or None)]; ``fmt``: a columns format reads
         its own rows (they are here only when other rules' literals occur in them)."""
@@ -128,7 +145,7 @@ class Compiled:
         lit_line, lit_chunk, union = self.lit_line, self.lit_chunk, self._union
         line_start = line_end = skip = limit = -1
         entry: list[Any] = []
-        for idx, s, _ in self._found(chunk, fmt):
+        for idx, s, _ in self._found(chunk, fmt, counts):
             if s < skip:
                 continue  # past what any rule examines of a long line (bounds.py)
             if not line_start <= s < line_end:
@@ -177,14 +194,16 @@ class Compiled:
         """The prefix patterns without their anchor and group names (one bytes check)."""
         return [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
 
-    def format_for(self, chunk: bytes) -> int | None:
-        """The columns format whose rows this chunk holds (None: none, or more than one)."""
+    def format_for(self, chunk: bytes) -> tuple[int, dict[bytes, int]] | None:
+        """The columns format whose rows this chunk holds and how often each of its markers
+        occurs (None: no format's, or more than one format's)."""
         found = None
         for i, f in enumerate(self.formats):
-            if any(m in chunk for m in f.markers):
+            counts = {m: chunk.count(m) for m in f.markers}
+            if any(counts.values()):
                 if found is not None:
                     return None
-                found = i
+                found = (i, counts)
         return found
 
     def with_rule(self, rules: frozenset[int] | None, index: int) -> frozenset[int]:
@@ -203,8 +222,14 @@ class Compiled:
         """The chunk rules of a set of indexes, in rule order."""
         got = self._plans.get(rules)
         if got is None:
-            got = self._plans[rules] = tuple(self.chunk_plans[i] for i in sorted(rules))
+            got = self._plans[rules] = tuple(self._plan(i) for i in sorted(rules))
         return got
+
+    def _plan(self, i: int) -> ChunkPlan:
+        plan = self.chunk_plans[i]
+        if plan is None:
+            plan = self.chunk_plans[i] = ChunkPlan(self.chunk_rules[i])
+        return plan
 
 
 class ChunkPlan:

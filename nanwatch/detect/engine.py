@@ -134,14 +134,17 @@ class Detector:
         # year-less timestamps: not after the file was last written, not before the stream's
         # previous dated line
         self.times.begin(file_bound(file, self._clock), state.last_time)
-        fi = c.format_for(chunk) if self.columns and c.formats else None
+        got = c.format_for(chunk) if self.columns and c.formats else None
         rows: Rows | None = None
-        if fi is not None:
-            rows = c.formats[fi].parse(chunk)
+        fi: int | None = None
+        counts: dict[bytes, int] | None = None
+        if got is not None:
+            fi, counts = got
+            rows = c.formats[fi].parse(chunk, counts)
             if rows is None:
                 fi = None  # not every line of the format is a row: the line engine reads it
                 self.counters["column_fallbacks"] += 1
-        lines = c.lines(chunk, fi)
+        lines = c.lines(chunk, fi, counts)
         # the in-process companion's records (one cheap search; most chunks have none)
         records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()
         if not lines and not records and not (rows and rows.starts):

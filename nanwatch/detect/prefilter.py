@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -166,6 +165,8 @@ def _hs_database(literals: Sequence[bytes]) -> Any:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # written aside and renamed: a concurrent start never reads half a database
+        import tempfile  # only when a cache file is written
+
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".hsdb-")
         with os.fdopen(fd, "wb") as out:
             out.write(hs.dumpb(db))
