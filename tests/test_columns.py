@@ -4,6 +4,7 @@ inputs, in whole files and in small chunks; and the literal prefilter's backends
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -307,3 +308,23 @@ def test_detection_is_the_same_without_hyperscan(monkeypatch: pytest.MonkeyPatch
     got = [_run(Detector(RULES, default_year=2026), f, 4096) for f in files]
     assert _same(ref, got)
     assert os.environ["NANWATCH_NO_HYPERSCAN"] == "1"
+
+
+def test_doctor_says_which_prefilter_and_reader_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from nanwatch.cli import cli
+
+    (tmp_path / "logs").mkdir()
+    cfg = tmp_path / "nanwatch.toml"
+    cfg.write_text(f'db = "state/nw.db"\n[sources]\npaths = ["{tmp_path / "logs"}"]\n')
+    for env, backend in (("", _backends()[-1]), ("1", "ahocorasick")):
+        monkeypatch.setenv("NANWATCH_NO_HYPERSCAN", env)
+        out = CliRunner().invoke(cli, ["doctor", "--config", str(cfg), "--json"]).output
+        rows = [json.loads(line) for line in out.splitlines()]
+        (row,) = [r for r in rows if r["check"] == "detect"]
+        assert row["status"] == "ok"
+        assert row["message"].startswith(f"literal prefilter: {backend}")
+        assert "iteration lines read as columns: on" in row["message"]

@@ -5,13 +5,16 @@ worked out once: its state keys, metric groups and Metric field order."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Metric
 from ..stream import StreamState
 from . import prefilter
 from .prefilter import Prefilter
 from .rules import TIERS, Rule, RuleSet, normalize_stage
+
+if TYPE_CHECKING:
+    from .columns import ColumnFormat
 
 _NAMED = re.compile(r"\(\?P<\w+>")
 # stream state a context rule may set, in the order ``_set_state`` applies them
@@ -55,13 +58,7 @@ class Compiled:
         # prefilters are built on first use (a start that reads nothing builds none): the whole
         # literal set, and per columns format the literals its rows do not need (columns.py)
         self._filters: dict[tuple[int, bool], tuple[Prefilter, list[int]]] = {}
-        from .columns import ColumnFormat  # columns builds on this module's plans
-
-        self.formats = [
-            ColumnFormat(r, i, self.prefix_sources(), self)
-            for i, r in enumerate(self.chunk_rules)
-            if r.columns is not None
-        ]
+        self._formats: list[ColumnFormat] | None = None
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
         # first match wins: most specific tier first, load order (site packs first) within one
         self.event_rules = sorted(
@@ -189,6 +186,19 @@ class Compiled:
             if rules is not None:
                 chunk_hits[start] = set(rules)
         return candidates, chunk_hits
+
+    @property
+    def formats(self) -> list[ColumnFormat]:
+        """The columns formats (columns.py), worked out when the first chunk is read."""
+        if self._formats is None:
+            from .columns import ColumnFormat  # columns builds on this module's plans
+
+            self._formats = [
+                ColumnFormat(r, i, self.prefix_sources(), self)
+                for i, r in enumerate(self.chunk_rules)
+                if r.columns is not None
+            ]
+        return self._formats
 
     def prefix_sources(self) -> list[str]:
         """The prefix patterns without their anchor and group names (one bytes check)."""

@@ -174,3 +174,14 @@ def _hs_database(literals: Sequence[bytes]) -> Any:
     except OSError:
         pass  # a read-only home: compiled again at the next start
     return db
+
+
+def speed_report() -> str:
+    """One line for ``nanwatch doctor``: which prefilter and iteration-line reader run here."""
+    backend = backend_name()
+    columns = "off (NANWATCH_COLUMNS=0)" if os.environ.get("NANWATCH_COLUMNS") == "0" else "on"
+    note = "" if backend == "hyperscan" else " (pip install 'nanwatch[speed]' adds hyperscan)"
+    return (
+        f"literal prefilter: {backend}{note}; iteration lines read as columns: {columns}, "
+        "pure Python"
+    )

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import marshal
 import os
 import re
@@ -101,8 +102,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import regex
 
 from ..errors import RuleError
 from ..events import ATTRIBUTES, KINDS, STAGES
@@ -397,6 +396,8 @@ class _Lazy:
 
 
 def _compile_line(src: Path, rid: str, pattern: str) -> Any:
+    import regex  # imported when a pattern is compiled: a start that reads nothing needs none
+
     try:
         cre = regex.compile(pattern, regex.V0)
     except regex.error as e:
@@ -414,6 +415,8 @@ def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
         return re.compile(raw, re.M)
     except re.error:
         pass
+    import regex
+
     try:
         return regex.compile(raw, regex.M | regex.V0)
     except regex.error as e:
@@ -651,7 +654,12 @@ def _load_pack(
 
 
 def _lazy_line(pattern: str) -> _Lazy:
-    return _Lazy(lambda: regex.compile(pattern, regex.V0))
+    def make() -> Any:
+        import regex
+
+        return regex.compile(pattern, regex.V0)
+
+    return _Lazy(make)
 
 
 def _lazy_chunk(src: Path, rid: str, pattern: str) -> _Lazy:
@@ -743,7 +751,12 @@ class _LoadCache:
     def __init__(self) -> None:
         from .prefilter import cache_dir
 
-        h = hashlib.sha256(sys.version.encode() + regex.__version__.encode())
+        h = hashlib.sha256(sys.version.encode())
+        # the regex engine's build, without importing it (a start that reads nothing needs none)
+        spec = importlib.util.find_spec("regex")
+        if spec is not None and spec.origin:
+            st = os.stat(spec.origin)
+            h.update(f"{spec.origin}:{st.st_mtime_ns}:{st.st_size}".encode())
         for mod in (__file__, lint.__code__.co_filename):
             try:
                 h.update(Path(mod).read_bytes())
