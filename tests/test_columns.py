@@ -294,6 +294,13 @@ def test_hyperscan_database_is_cached_on_disk(
     Prefilter(lits, "hyperscan")
     cached = list((tmp_path / "cache").glob("prefilter-*.hsdb"))
     assert len(cached) == 1
+    # a second start reads the database back instead of compiling it again
+    written = cached[0].stat().st_mtime_ns
+    cached[0].touch()
+    touched = cached[0].stat().st_mtime_ns
+    again = Prefilter(lits, "hyperscan")
+    assert again.find(b"out of memory\n") == [(0, 0, 13)]
+    assert cached[0].stat().st_mtime_ns == touched >= written
     # a second start reads it back (a damaged file is compiled again, not an error)
     cached[0].write_bytes(b"garbage")
     pf = Prefilter(lits, "hyperscan")

@@ -84,6 +84,7 @@ class Rows:
     """A chunk's rows: where each starts and its groups (bytes), in chunk order."""
 
     starts: list[int]
+    ends: list[int]  # where each row's line ends (its newline)
     groups: list[tuple[bytes | None, ...]]
 
 
@@ -134,7 +135,7 @@ class ColumnFormat:
         spans = [m.span() for m in ms]
         if any(e - s > limit for s, e in spans):
             return None
-        return Rows([s for s, _ in spans], [m.groups() for m in ms])
+        return Rows([s for s, _ in spans], [e for _, e in spans], [m.groups() for m in ms])
 
 
 # what may stand before a marker in a line: a literal inside a marker is inert only when no
@@ -213,7 +214,14 @@ def _floats(col: Sequence[bytes | None], ms: bool) -> list[float | None]:
     out: list[float | None]
     try:
         out = [float(b) for b in col]  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except TypeError:
+        try:
+            out = [None if b is None else float(b) for b in col]
+        except ValueError:
+            out = []
+    except ValueError:
+        out = []
+    if len(out) != len(col):
         out = []
         for b in col:
             if b is None:
@@ -258,9 +266,15 @@ def apply(
     starts = rows.starts[lo:hi]
     groups = rows.groups[lo:hi]
     cols = list(zip(*groups))
-    # line numbers: newlines before each row, counted from the previous one
+    # line numbers: newlines before each row, counted from the previous one (one when the row
+    # starts right after the previous row's newline)
     count = chunk.count
-    gaps = [count(b"\n", a, b) for a, b in zip([pos, *starts[:-1]], starts)]
+    ends = rows.ends[lo:hi]
+    prev_starts = [pos, *starts[:-1]]
+    prev_ends = [-2, *ends[:-1]]
+    gaps = [
+        1 if s == e + 1 else count(b"\n", a, s) for a, e, s in zip(prev_starts, prev_ends, starts)
+    ]
     lines = [n + 1 for n in accumulate(gaps, initial=line_no)][1:]
     n = len(starts)
     keys = fmt.keys
@@ -316,21 +330,35 @@ def apply(
 
     # follow_step, row by row: the global step of epoch-based loops
     first0 = state.first_epoch == 0
-    steps: list[int | None] = []
-    step = state.step
-    for e, it, per, st, given, s_raw in zip(
-        epochs, iters_in, per_epoch, stages, step_given, step_raw
+    steps: list[int | None]
+    if (
+        not first0
+        and not any(step_given)
+        and None not in epochs
+        and None not in iters_in
+        and None not in per_epoch
+        and 0 not in epochs
+        and 0 not in per_epoch
+        and all(st == "train" for st in stages)
     ):
-        if given:
-            step = s_raw
-        if e == 0:
-            first0 = True
-        if not given and st in (None, "train"):
-            if e is not None and it is not None and per:
-                step = max(e if first0 else e - 1, 0) * per + it
-            elif it is not None and e is None:
-                step = it
-        steps.append(step)
+        # the common case at once: training rows of an epoch-based loop counted from 1
+        steps = [(e - 1) * p + i for e, i, p in zip(epochs, iters_in, per_epoch)]  # type: ignore[operator]
+    else:
+        steps = []
+        step = state.step
+        for e, it, per, st, given, s_raw in zip(
+            epochs, iters_in, per_epoch, stages, step_given, step_raw
+        ):
+            if given:
+                step = s_raw
+            if e == 0:
+                first0 = True
+            if not given and st in (None, "train"):
+                if e is not None and it is not None and per:
+                    step = max(e if first0 else e - 1, 0) * per + it
+                elif it is not None and e is None:
+                    step = it
+            steps.append(step)
 
     # times: the _date/_sec groups through the per-minute cache, else the line's head
     times: list[str | None] = []
@@ -338,11 +366,16 @@ def apply(
         dates, secs, heads = cols[fmt.date], cols[fmt.sec], cols[fmt.head]
         whole = _WHOLE
         minute = tp.minute
+        last: bytes | None = None
+        at: float | bool = False
+        prefix: str | None = None
         for d, s, h in zip(dates, secs, heads):
             if d is None or s is None:
                 times.append(tp.parse_bytes(h[:80]))
                 continue
-            at, prefix = minute(d)
+            if d != last:  # the rows of one minute share its look-up
+                at, prefix = minute(d)
+                last = d
             sec = int(s)
             if at is False or sec >= 62:
                 times.append(None)

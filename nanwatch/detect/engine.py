@@ -232,7 +232,7 @@ class Detector:
         if k < nrows:
             assert fmt is not None and rows is not None
             line_no, pos = self._rows(fmt, rows, k, nrows, state, line_no, pos, f, columns)
-        state.line_no += chunk.count(b"\n")
+        state.line_no = line_no + chunk.count(b"\n", pos)  # the lines before pos are counted
         if facts is not None:
             facts.extend(f.facts)
         if f.first_epoch is not None:

@@ -147,9 +147,11 @@ def _hs_database(literals: Sequence[bytes]) -> Any:
         h.update(lit)
     path = cache_dir() / f"prefilter-{h.hexdigest()[:32]}.hsdb"
     try:
-        return hs.loadb(path.read_bytes())
+        db = hs.loadb(path.read_bytes(), hs.HS_MODE_BLOCK)
+        db.scratch = hs.Scratch(db)  # a database read back has no scratch space of its own
+        return db
     except (OSError, hs.error, TypeError, ValueError):
-        pass
+        pass  # none yet, or from another hyperscan: compiled again
     try:
         db = hs.Database(mode=hs.HS_MODE_BLOCK)
         db.compile(
