@@ -218,6 +218,28 @@ def test_rows_that_are_not_every_line_of_the_format_go_to_the_line_engine(tmp_pa
     assert det.counters["column_rows"] == 0
 
 
+def _metric_rows(db: Path) -> list[tuple[Any, ...]]:
+    """Every stored iteration as (source, Metric fields...), through the store's block reader
+    where metrics are stored as blocks, else the metrics table."""
+    try:
+        from nanwatch.store.metrics import Metrics  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        conn = sqlite3.connect(db)
+        try:
+            return conn.execute(
+                "SELECT source_id, offset, rank, step, epoch, iter, stage, time, loss, grad_norm, "
+                "step_time, data_time, lr, memory FROM metrics ORDER BY source_id, offset"
+            ).fetchall()
+        finally:
+            conn.close()
+    store = Store.open(db)
+    try:
+        rows = [(b.source_id, *m) for b in Metrics(store).blocks_after(0) for m in b.columns.rows()]
+    finally:
+        store.close()
+    return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
 def _db_rows(db: Path) -> dict[str, Any]:
     store = Store.open(db)
     try:
@@ -227,12 +249,9 @@ def _db_rows(db: Path) -> dict[str, Any]:
         ]
     finally:
         store.close()
+    metrics = _metric_rows(db)
     conn = sqlite3.connect(db)
     try:
-        metrics = conn.execute(
-            "SELECT offset, rank, step, epoch, iter, stage, time, loss, grad_norm, step_time, "
-            "data_time, lr, memory FROM metrics ORDER BY source_id, offset"
-        ).fetchall()
         sources = conn.execute("SELECT path, offset, ctx FROM sources ORDER BY path").fetchall()
     finally:
         conn.close()
