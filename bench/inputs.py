@@ -21,6 +21,8 @@ from nanwatch.simulate import TrainingRun
 from .msprobe_ingest import write_step
 
 LINE_BYTES = 705  # an 8-rank DINO iteration line with 25 loss terms, on average
+SHORT_BYTES = 300  # the same with the total loss and the first two terms only
+_SHORT_PARTS = 13  # "  "-separated parts of an iteration line kept for the short variant
 
 
 @dataclass
@@ -32,9 +34,12 @@ class MmengineLogs:
     expected: list[tuple[str, int]]  # (incident kind, origin rank)
 
 
-def mmengine_logs(root: Path, mb: float, *, ranks: int = 8, seed: int = 0) -> MmengineLogs:
-    """About ``mb`` MB of 8-rank mmengine logs in two launches of one work_dir."""
-    per_rank = max(40, int(mb * 1e6 / LINE_BYTES / ranks))
+def mmengine_logs(
+    root: Path, mb: float, *, ranks: int = 8, seed: int = 0, short: bool = False
+) -> MmengineLogs:
+    """About ``mb`` MB of 8-rank mmengine logs in two launches of one work_dir; ``short``:
+    ~300-byte iteration lines (a model with three loss terms) instead of ~705-byte ones."""
+    per_rank = max(40, int(mb * 1e6 / (SHORT_BYTES if short else LINE_BYTES) / ranks))
     work_dir = root / "work_dirs" / "dino-4scale_r50_8xb2-12e_coco"
     # launch A: two training epochs, then validation where rank 3 runs out of NPU memory (the
     # validation loop runs when the third epoch would start)
@@ -68,7 +73,7 @@ def mmengine_logs(root: Path, mb: float, *, ranks: int = 8, seed: int = 0) -> Mm
     )
     files: list[Path] = []
     for run in (run_a, run_b):
-        files += _write(run)
+        files += _write(run, short)
     iteration_lines = 0
     size = 0
     for f in files:
@@ -84,7 +89,7 @@ def mmengine_logs(root: Path, mb: float, *, ranks: int = 8, seed: int = 0) -> Mm
     )
 
 
-def _write(run: TrainingRun) -> list[Path]:
+def _write(run: TrainingRun, short: bool = False) -> list[Path]:
     """TrainingRun.write without holding the whole run in memory."""
     run.launch_dir.mkdir(parents=True, exist_ok=True)
     handles = {
@@ -94,7 +99,10 @@ def _write(run: TrainingRun) -> list[Path]:
     try:
         for line in run.lines():
             assert line.file is None
-            handles[line.rank].write(line.text + "\n")
+            text = line.text
+            if short and " - mmengine - INFO - Epoch(" in text:
+                text = "  ".join(text.split("  ")[:_SHORT_PARTS])
+            handles[line.rank].write(text + "\n")
     finally:
         for h in handles.values():
             h.close()

@@ -76,9 +76,10 @@ def run(mb: float, runs: int, plog_mb: float) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="nanwatch-bench-scan-"))
     try:
         out: dict[str, Any] = {}
-        sizes = {"half": mb / 2, "full": mb}
-        for name, m in sizes.items():
-            logs = mmengine_logs(tmp / name, m)
+        # 705-byte iteration lines (half and full size: growth), then ~300-byte ones
+        sizes = {"half": (mb / 2, False), "full": (mb, False), "short": (mb, True)}
+        for name, (m, short) in sizes.items():
+            logs = mmengine_logs(tmp / name, m, short=short)
             res = throughput(logs.files, [logs.root], logs.bytes, runs, tmp)
             summary = res.pop("summary")
             found = sorted(
@@ -91,6 +92,7 @@ def run(mb: float, runs: int, plog_mb: float) -> dict[str, Any]:
             res["metrics"] = summary["metrics"]
             res["iteration_lines"] = logs.iteration_lines
             res["metrics_ok"] = summary["metrics"] == logs.iteration_lines
+            res["line_bytes"] = round(logs.bytes / max(logs.iteration_lines, 1))
             out[name] = res
             shutil.rmtree(tmp / name)
         half, full = out["half"], out["full"]

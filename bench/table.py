@@ -57,6 +57,16 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
                 f"startup/{name}/ms",
                 ms,
             )
+        scan0 = st.get("nanwatch scan (an empty file)")
+        if scan0 is not None:
+            yield Row(
+                "`nanwatch scan` of an empty file (a fresh database)",
+                _ms(scan0["ms"]),
+                "<= 150 ms",
+                scan0["ms"] <= 150,
+                "startup/nanwatch scan (an empty file)/ms",
+                scan0["ms"],
+            )
     if "scan" in s:
         sc = s["scan"]
         full, half = sc["full"], sc["half"]
@@ -76,6 +86,25 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
             "oom rank 3 + nan rank 6; all",
             full["incidents_ok"] and full["metrics_ok"],
         )
+        short = sc.get("short")
+        if short is not None:
+            yield Row(
+                f"scan: the same with ~{short.get('line_bytes', 300)}-byte iteration lines "
+                f"({short['mb']:.0f} MB)",
+                f"{short['scan_mb_s']} MB/s = {short['ratio']:.3f} x grep "
+                f"(705-byte: {full['ratio']:.3f} x)",
+                f"ratio >= 0.15 (grep: {short['grep_mb_s']} MB/s)",
+                short["ratio"] >= 0.15,
+                "scan/short/scan_mb_s",
+                short["scan_mb_s"],
+            )
+            yield Row(
+                "  every incident found, every iteration's metrics stored",
+                f"{', '.join(f'{k} rank {r}' for k, r in short['incidents'])}; "
+                f"{short['metrics']}/{short['iteration_lines']} metric rows",
+                "oom rank 3 + nan rank 6; all",
+                short["incidents_ok"] and short["metrics_ok"],
+            )
         yield Row(
             "  start-up (same command on an empty folder); peak RSS",
             f"{full['startup_s']:.2f} s; {full['rss_mib']:.0f} MiB",

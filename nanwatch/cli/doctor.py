@@ -176,6 +176,9 @@ def run_checks(
     yield check_cluster(config)
     yield from check_alertmanager(config)
     yield check_metrics(config)
+    from ..detect.prefilter import speed_report
+
+    yield Finding("detect", "ok", speed_report())
 
 
 @click.command()

@@ -5,11 +5,16 @@ worked out once: its state keys, metric groups and Metric field order."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Metric
 from ..stream import StreamState
+from . import prefilter
+from .prefilter import Prefilter
 from .rules import TIERS, Rule, RuleSet, normalize_stage
+
+if TYPE_CHECKING:
+    from .columns import ColumnFormat
 
 _NAMED = re.compile(r"\(\?P<\w+>")
 # stream state a context rule may set, in the order ``_set_state`` applies them
@@ -31,33 +36,29 @@ class Compiled:
         self.line_rules = [r for r in rules.rules if not r.chunk]
         lits = sorted({lit.encode("utf-8") for r in rules.rules for lit in r.literals})
         self.literals = lits
+        users: dict[str, list[Rule]] = {}
+        for r in rules.rules:
+            for lit in dict.fromkeys(r.literals):
+                users.setdefault(lit, []).append(r)
+        self.users = users  # literal -> the rules that name it
+        chunk_at = {id(r): i for i, r in enumerate(self.chunk_rules)}
         # literal index -> (does a line rule use it, the chunk rules that use it)
-        self.lit_line = [any(lit.decode() in r.literals for r in self.line_rules) for lit in lits]
+        self.lit_line = [any(not r.chunk for r in users[lit.decode()]) for lit in lits]
         self.lit_chunk = [
-            frozenset(i for i, r in enumerate(self.chunk_rules) if lit.decode() in r.literals)
-            for lit in lits
+            frozenset(chunk_at[id(r)] for r in users[lit.decode()] if r.chunk) for lit in lits
         ]
-        self.chunk_plans = [ChunkPlan(r) for r in self.chunk_rules]
+        # worked out when a line first needs them (a start that reads nothing needs none)
+        self.chunk_plans: list[ChunkPlan | None] = [None] * len(self.chunk_rules)
         # literals further into a line than any rule examines tell nothing: skipped cheaply
         self.cap = max((r.max_chars for r in rules.rules), default=0)
         self._union: dict[tuple[frozenset[int], frozenset[int]], frozenset[int]] = {}
         self._plans: dict[frozenset[int], tuple[ChunkPlan, ...]] = {}
-        self.ac: Any = None
-        self.prefilter: Any = None
-        if automaton and lits:
-            try:
-                import ahocorasick_rs
-
-                # a DFA: ~1.5x the default NFA's speed on log text, for ~1 MB of tables
-                self.ac = ahocorasick_rs.BytesAhoCorasick(
-                    lits, implementation=ahocorasick_rs.Implementation.DFA
-                )
-            except ImportError:  # pragma: no cover - a platform without the wheel
-                self.ac = None
-        if self.ac is None and lits:
-            by_len = sorted(lits, key=len, reverse=True)
-            self.prefilter = re.compile(b"|".join(re.escape(lit) for lit in by_len))
-            self.lit_index = {lit: i for i, lit in enumerate(lits)}
+        self._automaton = automaton
+        self._single: dict[int, frozenset[int]] = {}
+        # prefilters are built on first use (a start that reads nothing builds none): the whole
+        # literal set, and per columns format the literals its rows do not need (columns.py)
+        self._filters: dict[tuple[int, bool], tuple[Prefilter, list[int]]] = {}
+        self._formats: list[ColumnFormat] | None = None
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
         # first match wins: most specific tier first, load order (site packs first) within one
         self.event_rules = sorted(
@@ -67,12 +68,14 @@ class Compiled:
         n = len(self.event_rules)
         self.strength = {r.id: n - i for i, r in enumerate(self.event_rules)}
         # literal index -> positions of the rules that use it (a line only tries those)
+        ctx_at = {id(r): i for i, r in enumerate(self.context_rules)}
+        ev_at = {id(r): i for i, r in enumerate(self.event_rules)}
         self.lit_ctx = [
-            tuple(i for i, r in enumerate(self.context_rules) if lit.decode() in r.literals)
+            tuple(sorted(ctx_at[id(r)] for r in users[lit.decode()] if id(r) in ctx_at))
             for lit in lits
         ]
         self.lit_ev = [
-            tuple(i for i, r in enumerate(self.event_rules) if lit.decode() in r.literals)
+            tuple(sorted(ev_at[id(r)] for r in users[lit.decode()] if id(r) in ev_at))
             for lit in lits
         ]
         # One cheap bytes check tells whether a chunk-rule line carries a prefix at all.
@@ -87,33 +90,59 @@ class Compiled:
 
                 self.any_prefix = regex.compile(raw, regex.V0)
 
-    def _found(self, chunk: bytes) -> list[tuple[int, int, int]]:
-        """(literal index, start, end) of every literal occurrence, overlapping ones included."""
-        if self.ac is not None:
-            found: list[tuple[int, int, int]] = self.ac.find_matches_as_indexes(
-                chunk, overlapping=True
+    def literal_filter(self, fmt: int | None = None, inert: bool = False) -> tuple[Any, list[int]]:
+        """The literal prefilter (and its literals' indexes in ``literals``): of every literal,
+        or (``fmt``: a columns format's index) of those its rows do not make redundant."""
+        key = (-1 if fmt is None else fmt, inert)
+        got = self._filters.get(key)
+        if got is None:
+            keep = list(range(len(self.literals)))
+            if fmt is not None:
+                drop = self.formats[fmt].own | (self.formats[fmt].inert_ids if inert else set())
+                keep = [i for i in keep if i not in drop]
+            backend = None if self._automaton else "regex"
+            if fmt is None and backend is None and prefilter.backend_name() == "hyperscan":
+                # every iteration line holds one of these: hyperscan's per-match callback into
+                # Python costs more than Aho-Corasick's list of matches built in Rust
+                backend = "ahocorasick"
+            got = self._filters[key] = (
+                Prefilter([self.literals[i] for i in keep], backend),
+                keep,
             )
-            return found
-        found = []
-        if self.prefilter is not None:
-            # overlapping occurrences are found by restarting one byte after each hit
-            pos = 0
-            while True:
-                m = self.prefilter.search(chunk, pos)
-                if m is None:
-                    break
-                found.append((self.lit_index[m.group()], m.start(), m.end()))
-                pos = m.start() + 1
-        return found
+        return got
 
-    def lines(self, chunk: bytes) -> dict[int, list[Any]]:
+    def _found(
+        self, chunk: bytes, fmt: int | None = None, counts: dict[bytes, int] | None = None
+    ) -> list[tuple[int, int, int]]:
+        """(literal index, start, end) of every literal occurrence, overlapping ones included;
+        with ``fmt``, of the literals that the columns format's rows leave to the line engine
+        (``counts``: its markers' occurrences in the chunk)."""
+        inert = False
+        if fmt is not None:
+            # an inert literal drops out only when each of its occurrences is inside a marker
+            f = self.formats[fmt]
+            known = counts or {}
+            inert = all(
+                chunk.count(lit) == (known[m] if m in known else chunk.count(m))
+                for lit, m in f.inert
+            )
+        pf, keep = self.literal_filter(fmt, inert)
+        found: list[tuple[int, int, int]] = pf.find(chunk)
+        if fmt is None:
+            return found
+        return [(keep[i], s, e) for i, s, e in found]
+
+    def lines(
+        self, chunk: bytes, fmt: int | None = None, counts: dict[bytes, int] | None = None
+    ) -> dict[int, list[Any]]:
         """The lines worth a look: start -> [end, literals of line rules it holds (or None),
-        the chunk rules whose literals it holds (or None)]."""
+        the chunk rules whose literals it holds (or None)]; ``fmt``: a columns format reads
+        its own rows (they are here only when other rules' literals occur in them)."""
         out: dict[int, list[Any]] = {}
         lit_line, lit_chunk, union = self.lit_line, self.lit_chunk, self._union
         line_start = line_end = skip = limit = -1
         entry: list[Any] = []
-        for idx, s, _ in self._found(chunk):
+        for idx, s, _ in self._found(chunk, fmt, counts):
             if s < skip:
                 continue  # past what any rule examines of a long line (bounds.py)
             if not line_start <= s < line_end:
@@ -158,12 +187,59 @@ class Compiled:
                 chunk_hits[start] = set(rules)
         return candidates, chunk_hits
 
+    @property
+    def formats(self) -> list[ColumnFormat]:
+        """The columns formats (columns.py), worked out when the first chunk is read."""
+        if self._formats is None:
+            from .columns import ColumnFormat  # columns builds on this module's plans
+
+            self._formats = [
+                ColumnFormat(r, i, self.prefix_sources(), self)
+                for i, r in enumerate(self.chunk_rules)
+                if r.columns is not None
+            ]
+        return self._formats
+
+    def prefix_sources(self) -> list[str]:
+        """The prefix patterns without their anchor and group names (one bytes check)."""
+        return [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
+
+    def format_for(self, chunk: bytes) -> tuple[int, dict[bytes, int]] | None:
+        """The columns format whose rows this chunk holds and how often each of its markers
+        occurs (None: no format's, or more than one format's)."""
+        found = None
+        for i, f in enumerate(self.formats):
+            counts = {m: chunk.count(m) for m in f.markers}
+            if any(counts.values()):
+                if found is not None:
+                    return None
+                found = (i, counts)
+        return found
+
+    def with_rule(self, rules: frozenset[int] | None, index: int) -> frozenset[int]:
+        """``rules`` and the chunk rule ``index`` (the sets are shared: kept, never mutated)."""
+        one = self._single.get(index)
+        if one is None:
+            one = self._single[index] = frozenset((index,))
+        if rules is None or rules == one:
+            return one
+        both = self._union.get((rules, one))
+        if both is None:
+            both = self._union[(rules, one)] = rules | one
+        return both
+
     def plans(self, rules: frozenset[int]) -> tuple[ChunkPlan, ...]:
         """The chunk rules of a set of indexes, in rule order."""
         got = self._plans.get(rules)
         if got is None:
-            got = self._plans[rules] = tuple(self.chunk_plans[i] for i in sorted(rules))
+            got = self._plans[rules] = tuple(self._plan(i) for i in sorted(rules))
         return got
+
+    def _plan(self, i: int) -> ChunkPlan:
+        plan = self.chunk_plans[i]
+        if plan is None:
+            plan = self.chunk_plans[i] = ChunkPlan(self.chunk_rules[i])
+        return plan
 
 
 class ChunkPlan:
@@ -175,12 +251,13 @@ class ChunkPlan:
 
     __slots__ = ("cre", "keys", "metrics", "rule", "stages", "ts")
 
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, cre: Any = None) -> None:
         assert rule.chunk_cre is not None
-        names = set(rule.chunk_cre.groupindex)
+        cre = rule.chunk_cre if cre is None else cre  # a columns format's rows regex
+        names = set(cre.groupindex)
         self.rule = rule
-        self.cre = rule.chunk_cre
-        index = {name: i - 1 for name, i in rule.chunk_cre.groupindex.items()}  # in groups()
+        self.cre = cre
+        index = {name: i - 1 for name, i in cre.groupindex.items()}  # in groups()
         # (state key, the rule's constant for it or None, the group's place in groups())
         self.keys = tuple(
             (k, rule.set.get(k), index.get(k, -1))

@@ -10,8 +10,10 @@ report (a traceback, an HCCL error block) become one event in ``reports``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
+import os
 import re
 import signal as _signal
 import time
@@ -24,6 +26,8 @@ from ..events import DEVICES, Event, Metric
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
 from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
+from .columns import ColumnFormat, MetricColumns, Rows
+from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
 from .facts import rule_facts
 from .reports import BLOCK_LINES, Feed, report
@@ -91,9 +95,13 @@ class Detector:
         *,
         default_year: int | None = None,
         automaton: bool = True,
+        columns: bool | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._c = Compiled(rules, automaton=automaton)
+        # whole chunks of a known iteration-line format read as columns (columns.py); off: the
+        # line engine reads every line (the reference the column reader is tested against)
+        self.columns = os.environ.get("NANWATCH_COLUMNS") != "0" if columns is None else columns
         self.rules = rules
         self.times = TimeParser(default_year)
         # lines_capped: lines longer than what a rule examines; rule_timeouts: matches that ran
@@ -114,22 +122,35 @@ class Detector:
         *,
         facts: list[dict[str, Any]] | None = None,
         trace: set[str] | None = None,
+        columns: list[MetricColumns] | None = None,
     ) -> tuple[list[Event], list[Metric]]:
         """Process ``chunk`` (complete lines only) that starts at byte ``base_offset``.
 
         Updates ``state`` in place (line count, context) and returns what the lines yield.
         Run facts the lines tell (versions, world size, timeouts...) are appended to ``facts``
         when it is given; the ids of the prefixes and rules that matched a line are added to
-        ``trace`` (the examples runner: an example must pass through its own rule).
+        ``trace`` (the examples runner: an example must pass through its own rule). Rows read
+        as columns are also appended to ``columns`` when it is given (their metrics are in the
+        returned list too, in line order with the others).
         """
         c = self._c
         # year-less timestamps: not after the file was last written, not before the stream's
         # previous dated line
         self.times.begin(file_bound(file, self._clock), state.last_time)
-        lines = c.lines(chunk)
+        got = c.format_for(chunk) if self.columns and c.formats else None
+        rows: Rows | None = None
+        fi: int | None = None
+        counts: dict[bytes, int] | None = None
+        if got is not None:
+            fi, counts = got
+            rows = c.formats[fi].parse(chunk, counts)
+            if rows is None:
+                fi = None  # not every line of the format is a row: the line engine reads it
+                self.counters["column_fallbacks"] += 1
+        lines = c.lines(chunk, fi, counts)
         # the in-process companion's records (one cheap search; most chunks have none)
         records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()
-        if not lines and not records:
+        if not lines and not records and not (rows and rows.starts):
             state.line_no += chunk.count(b"\n")
             return [], []
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
@@ -139,7 +160,22 @@ class Detector:
         any_prefix = c.any_prefix
         line_no = state.line_no
         pos = 0
+        fmt = c.formats[fi] if fi is not None and rows is not None else None
+        starts = rows.starts if rows is not None else []
+        k, nrows = 0, len(starts)
         for start in sorted(lines.keys() | records if records else lines):
+            if k < nrows and starts[k] <= start:
+                # the rows before this line, all at once; a row that other rules want to read
+                # too goes through the line engine here, with its own rule among its chunk rules
+                assert fmt is not None and rows is not None
+                hi = bisect.bisect_left(starts, start, k)
+                if hi > k:
+                    line_no, pos = self._rows(fmt, rows, k, hi, state, line_no, pos, f, columns)
+                k = hi
+                if k < nrows and starts[k] == start:
+                    entry = lines[start]
+                    entry[2] = c.with_rule(entry[2], fmt.index)
+                    k += 1
             if start in records:
                 # a structured record: read whole, never by the rule packs
                 line_no += chunk.count(b"\n", pos, start)
@@ -196,7 +232,10 @@ class Detector:
                 self._line(text, raw, prefix_attrs, state, this_line, start, end, f, present)
             if no_epoch and state.epoch is not None and f.first_epoch is None:
                 f.first_epoch = (this_line, state.epoch)
-        state.line_no += chunk.count(b"\n")
+        if k < nrows:
+            assert fmt is not None and rows is not None
+            line_no, pos = self._rows(fmt, rows, k, nrows, state, line_no, pos, f, columns)
+        state.line_no = line_no + chunk.count(b"\n", pos)  # the lines before pos are counted
         if facts is not None:
             facts.extend(f.facts)
         if f.first_epoch is not None:
@@ -259,6 +298,33 @@ class Detector:
         }
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _rows(
+        self,
+        fmt: ColumnFormat,
+        rows: Rows,
+        lo: int,
+        hi: int,
+        state: StreamState,
+        line_no: int,
+        pos: int,
+        f: Feed,
+        columns: list[MetricColumns] | None,
+    ) -> tuple[int, int]:
+        """Rows ``lo:hi`` of a columns format, applied at once (columns.py)."""
+        cols, line_no, pos, first = apply_rows(
+            fmt, rows, lo, hi, state, f.chunk, line_no, pos, f.base, self.times
+        )
+        if fmt.plan.metrics is not None:
+            f.metrics.extend(cols.rows())
+            if columns is not None:
+                columns.append(cols)
+        self.counters["column_rows"] += hi - lo
+        if first is not None and f.first_epoch is None:
+            f.first_epoch = first
+        if f.trace is not None:
+            f.trace.add(fmt.rule.id)
+        return line_no, pos
 
     def prefix_attrs(self, line: str) -> dict[str, Any]:
         """The attributes (rank, node...) the prefixes of ``line`` carry."""

@@ -96,14 +96,16 @@ line whose match continues on the next line (a terminal's hard wrap) is read joi
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib.util
+import marshal
+import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import regex
 
 from ..errors import RuleError
 from ..events import ATTRIBUTES, KINDS, STAGES
@@ -276,6 +278,7 @@ class Rule:
     opens: str | None = None  # a context rule: the record (traceback) this line opens
     within: str | None = None  # an event rule: only tried inside an open record of this name
     rising: str | None = None  # an event rule: a counter group; only an increase is an event
+    columns: str | None = None  # a chunk rule's line head: whole chunks read as columns
 
     @property
     def chunk(self) -> bool:
@@ -340,6 +343,7 @@ _RULE_KEYS = {
     "opens",
     "within",
     "rising",
+    "columns",
 }
 _EXAMPLE_KEYS = {
     "line",
@@ -374,7 +378,32 @@ def _check_keys(
             raise _fail(src, rid, f"unknown key {k!r} in {what}{hint}")
 
 
+class _Lazy:
+    """A pattern compiled on first use: a start compiles only what its input needs (most rules
+    never see a line with one of their literals). Packs whose text was checked before (the load
+    cache, see ``load_rules``) are not compiled at load."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make: Callable[[], Any] | None = make
+        self._obj: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        obj = self._obj
+        if obj is None:
+            assert self._make is not None
+            obj = self._obj = self._make()
+            self._make = None
+        value = getattr(obj, name)
+        if callable(value):
+            self.__dict__[name] = value  # later look-ups do not come here
+        return value
+
+
 def _compile_line(src: Path, rid: str, pattern: str) -> Any:
+    import regex  # imported when a pattern is compiled: a start that reads nothing needs none
+
     try:
         cre = regex.compile(pattern, regex.V0)
     except regex.error as e:
@@ -392,6 +421,8 @@ def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
         return re.compile(raw, re.M)
     except re.error:
         pass
+    import regex
+
     try:
         return regex.compile(raw, regex.M | regex.V0)
     except regex.error as e:
@@ -434,7 +465,16 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
     return tuple(out)
 
 
-def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet) -> None:
+def _load_pack(
+    src: Path,
+    data: Mapping[str, Any],
+    seen: dict[str, Path],
+    rs: RuleSet,
+    known: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, list[str]]:
+    """Add one pack to ``rs``; ``known``: its patterns were checked before (rule id -> group
+    names): they compile on first use. Returns the group names of every rule."""
+    groups_of: dict[str, list[str]] = {}
     pack = data.get("pack")
     if not isinstance(pack, dict) or not isinstance(pack.get("id"), str):
         raise _fail(src, None, 'missing [pack] table with an id (e.g. [pack] id = "mypack")')
@@ -461,7 +501,7 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat.startswith("^"):
             raise _fail(src, rid, "a prefix needs a `pattern` anchored with ^")
-        cre = _compile_line(src, rid, pat)
+        cre = _compile_line(src, rid, pat) if known is None else _lazy_line(pat)
         rs.prefixes.append(
             Prefix(rid, pack_id, src, pat, cre, _examples(src, rid, raw.get("example")))
         )
@@ -490,9 +530,15 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat:
             raise _fail(src, rid, "missing `pattern`")
-        cre = _compile_line(src, rid, pat)
-        chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
-        groups = tuple(cre.groupindex)
+        if known is None or rid not in known:
+            cre = _compile_line(src, rid, pat)
+            chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
+            groups = tuple(cre.groupindex)
+        else:
+            cre = _lazy_line(pat)
+            chunk_cre = _lazy_chunk(src, rid, pat) if raw.get("chunk") else None
+            groups = tuple(known[rid])
+        groups_of[rid] = list(groups)
         types = dict(raw.get("types", {}))
         for fname, t in types.items():
             if t not in _TYPES:
@@ -578,6 +624,9 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 raise _fail(
                     src, rid, f"rising must name a group of the pattern (a counter); got {rising!r}"
                 )
+        columns = raw.get("columns")
+        if columns is not None:
+            _check_columns(src, rid, raw, columns, groups, sets)
         progress = (
             rtype == "context"
             and not raw.get("hint")
@@ -613,8 +662,50 @@ def _load_pack(src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: Ru
                 opens=opens,
                 within=within,
                 rising=rising,
+                columns=columns,
             )
         )
+    return groups_of
+
+
+def _lazy_line(pattern: str) -> _Lazy:
+    def make() -> Any:
+        import regex
+
+        return regex.compile(pattern, regex.V0)
+
+    return _Lazy(make)
+
+
+def _lazy_chunk(src: Path, rid: str, pattern: str) -> _Lazy:
+    return _Lazy(lambda: _compile_chunk(src, rid, pattern))
+
+
+# stream-state keys a columns rule may set: the rest needs the line engine's bookkeeping
+_COLUMN_KEYS = {"stage", "epoch", "iter", "iters", "step"}
+
+
+def _check_columns(
+    src: Path, rid: str, raw: Mapping[str, Any], head: object, groups: tuple[str, ...], sets: Any
+) -> None:
+    """``columns`` (a line head pattern): only for the chunk rules the column reader can read
+    exactly as the line engine does (columns.py)."""
+    if not isinstance(head, str) or not head:
+        raise _fail(src, rid, "columns must be the pattern of the line's head before the match")
+    if not raw.get("chunk") or raw.get("type") != "context" or raw.get("hint"):
+        raise _fail(src, rid, "`columns` is only for chunk context rules (chunk = true)")
+    try:
+        re.compile(head.encode())
+    except re.error as e:
+        raise _fail(src, rid, f"columns does not compile: {e}") from None
+    state = {g for g in groups if g in _STATE_KEYS} | set(sets)
+    if "ts" in groups or not state <= _COLUMN_KEYS:
+        raise _fail(
+            src, rid, f"a columns rule sets only {', '.join(sorted(_COLUMN_KEYS))} (no ts group)"
+        )
+    for k, v in sets.items():
+        if k != "stage" and not isinstance(v, int):
+            raise _fail(src, rid, f"set.{k}: a columns rule sets integers")
 
 
 def pack_files(dirs: Iterable[Path]) -> list[Path]:
@@ -647,15 +738,93 @@ def load_rules(
         dirs.append(shipped)
     rs = RuleSet()
     seen: dict[str, Path] = {}
+    cache = _LoadCache()
     for f in pack_files(dirs):
         try:
-            data = tomllib.loads(f.read_text(encoding="utf-8"))
+            raw = f.read_bytes()
+        except OSError as e:
+            raise RuleError(f"{f}: cannot read the rule pack: {e}") from None
+        key = hashlib.sha256(raw).hexdigest()
+        hit = cache.get(key)
+        if hit is not None:
+            data, known = hit
+            _load_pack(f, data, seen, rs, known)
+            continue
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
-        _load_pack(f, data, seen, rs)
+        cache.put(key, data, _load_pack(f, data, seen, rs))
+    cache.save()
     if check and site:
         _check_site(rs, set(pack_files(site)))
     return rs
+
+
+class _LoadCache:
+    """Packs read and checked before, by the hash of their text: the parsed TOML and each
+    rule's group names, so that a start neither parses nor compiles them again (patterns then
+    compile on first use). One file in the cache directory, keyed by the code that checks them;
+    marshal, not pickle: plain data only, nothing in it runs."""
+
+    def __init__(self) -> None:
+        from .prefilter import cache_dir
+
+        h = hashlib.sha256(sys.version.encode())
+        # the regex engine's build, without importing it (a start that reads nothing needs none)
+        spec = importlib.util.find_spec("regex")
+        if spec is not None and spec.origin:
+            st = os.stat(spec.origin)
+            h.update(f"{spec.origin}:{st.st_mtime_ns}:{st.st_size}".encode())
+        for mod in (__file__, lint.__code__.co_filename):
+            try:
+                h.update(Path(mod).read_bytes())
+            except OSError:
+                h.update(mod.encode())
+        self.path = cache_dir() / f"rules-{h.hexdigest()[:24]}.marshal"
+        self.entries: dict[str, Any] = {}
+        self.used: set[str] = set()
+        self.dirty = False
+        if os.environ.get("NANWATCH_NO_RULE_CACHE"):
+            self.path = None  # type: ignore[assignment]
+            return
+        try:
+            loaded = marshal.loads(self.path.read_bytes())
+            if isinstance(loaded, dict):
+                self.entries = loaded
+        except (OSError, EOFError, ValueError, TypeError):
+            pass
+
+    def get(self, key: str) -> tuple[Mapping[str, Any], Mapping[str, Sequence[str]]] | None:
+        got = self.entries.get(key)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return None
+        self.used.add(key)
+        return got[0], got[1]
+
+    def put(self, key: str, data: Mapping[str, Any], groups: Mapping[str, list[str]]) -> None:
+        self.entries[key] = (data, dict(groups))
+        self.used.add(key)
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty or self.path is None:
+            return
+        try:
+            # the packs of this load only: edited packs do not pile up
+            blob = marshal.dumps({k: v for k, v in self.entries.items() if k in self.used})
+        except ValueError:
+            return  # a TOML value marshal cannot hold (a date): checked again at each start
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            import tempfile  # only when the cache file is written
+
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".rules-")
+            with os.fdopen(fd, "wb") as out:
+                out.write(blob)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: checked again at the next start
 
 
 def _check_site(rs: RuleSet, files: set[Path]) -> None:

@@ -53,6 +53,7 @@ class TimeParser:
     __slots__ = (
         "_bases",
         "_cache",
+        "_dates",
         "_heads",
         "_last",
         "_minutes",
@@ -67,6 +68,7 @@ class TimeParser:
     def __init__(self, default_year: int | None = None, bound: float | None = None) -> None:
         self._cache: dict[tuple[int, int, int, int, int], float] = {}
         self._minutes: dict[int, str] = {}  # UTC minute (epoch seconds) -> "YYYY-MM-DDTHH:MM:"
+        self._dates: dict[bytes, tuple[float | bool, str | None]] = {}
         # the text of a local minute (year, month, day, hour, minute) -> epoch seconds or False
         self._bases: dict[tuple[Any, ...], float | bool] = {}
         self._heads: dict[bytes, str | None] = {}
@@ -143,6 +145,26 @@ class TimeParser:
             self._heads[head] = got
         when: str | None = got
         return when
+
+    def minute(self, date: bytes) -> tuple[float | bool, str | None]:
+        """A naive local ``YYYY/MM/DD HH:MM`` (or ``-``) as read: (epoch seconds of the minute,
+        False when it is no valid time; "YYYY-MM-DDTHH:MM:" of that minute in UTC when it starts
+        on a UTC minute, else None). What :meth:`parse_bytes` computes for a line whose head
+        starts with that minute and a whole second, for the column reader."""
+        got = self._dates.get(date)
+        if got is None:
+            if len(self._dates) > 4096:
+                self._dates.clear()
+            base = self._base(date[0:4], date[5:7], date[8:10], date[11:13], date[14:16])
+            prefix = None
+            if base is not False and int(base) == base and int(base) % 60 == 0:
+                prefix = self._utc(float(base))[:-7]
+            got = self._dates[date] = (base, prefix)
+        return got
+
+    def utc(self, ts: float) -> str:
+        """RFC 3339 UTC text of epoch seconds (cached per minute)."""
+        return self._utc(ts)
 
     def _next_second(self, head: bytes) -> str | None:
         """The last whole-second head with other seconds (the next line of a log, usually).
