@@ -31,8 +31,8 @@ def run(nodes: int, per_node: int = 8, reads: int = 5) -> dict[str, Any]:
     from nanwatch.config import ClusterConfig, Config, FleetConfig
     from nanwatch.correlate import Correlator
     from nanwatch.correlate.fleet import FleetCorrelator
+    from nanwatch.daemon.pipeline import Pipeline
     from nanwatch.notify.forward import Forwarder
-    from nanwatch.pipeline import Pipeline
     from nanwatch.store import Store
     from nanwatch.store.fleet import FleetStore
     from tests.cluster_logs import write_fleet

@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: python bench/idle.py
 
 from bench.common import cpu_seconds, median, rss_mib
 from bench.daemon import Daemon
-from nanwatch.simulate import TrainingRun, mmengine_iter_line
+from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line
 
 
 def make_runs(base: Path, runs: int, ranks: int, iters: int) -> list[Path]:

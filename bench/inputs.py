@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .msprobe_ingest import write_step
 

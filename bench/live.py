@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line, npu_oom_traceback
 from nanwatch.events import parse_utc
-from nanwatch.simulate import TrainingRun, mmengine_iter_line, npu_oom_traceback
 
 from .common import median, percentile
 from .daemon import Daemon

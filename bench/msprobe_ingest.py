@@ -64,8 +64,8 @@ def write_step(folder: Path, step: int, params: int, nan: bool) -> int:
 def throughput(ranks: int, steps: int, params: int, runs: int = 1) -> dict[str, Any]:
     """Scan a generated tree ``runs`` times (fresh database each time); median figures."""
     from nanwatch.config import Config
+    from nanwatch.daemon.pipeline import Pipeline
     from nanwatch.detect.msprobe import MonitorReader
-    from nanwatch.pipeline import Pipeline
     from nanwatch.store import Store
     from nanwatch.stream import StreamState
 

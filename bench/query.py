@@ -29,8 +29,8 @@ from .inputs import msprobe_tree
 def build(base: Path, target_events: int) -> tuple[Path, dict[str, Any]]:
     """A database with about ``target_events`` events; returns it and what to query."""
     from nanwatch.config import Config
-    from nanwatch.pipeline import Pipeline
-    from nanwatch.simulate import seed_scenario
+    from nanwatch.daemon.pipeline import Pipeline
+    from nanwatch.demo.simulate import seed_scenario
     from nanwatch.store import Store
 
     seed = base / "seed"

@@ -27,7 +27,7 @@ _EXPORTS = {
     "KINDS": "events",
     "Event": "events",
     "Metric": "events",
-    "Pipeline": "pipeline",
+    "Pipeline": "daemon.pipeline",
     "Store": "store",
 }
 
@@ -35,6 +35,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Config, load_config  # noqa: F401
+    from .daemon.pipeline import Pipeline  # noqa: F401
     from .detect import Detector, RuleSet, load_rules  # noqa: F401
     from .errors import (  # noqa: F401
         ConfigError,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
         StoreError,
     )
     from .events import KINDS, Event, Metric  # noqa: F401
-    from .pipeline import Pipeline  # noqa: F401
     from .store import Store  # noqa: F401
     from .stream import StreamState  # noqa: F401
 

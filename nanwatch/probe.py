@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from ._probe_facts import collect_facts, memory_stats
+from .integrations.probe_facts import collect_facts, memory_stats
 
 __all__ = [
     "PREFIX",

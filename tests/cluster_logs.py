@@ -1,7 +1,7 @@
 """Two nodes of one 16-rank launch: node A holds ranks 0-7 (rank 3 runs out of NPU memory in
 validation), node B ranks 8-15 (their HCCL collectives time out naming remote rank 3).
 
-Written by ``nanwatch.simulate.TrainingRun`` (real-format mmengine lines, torch_npu's OOM
+Written by ``nanwatch.demo.simulate.TrainingRun`` (real-format mmengine lines, torch_npu's OOM
 traceback, EI0002) and split the way two nodes' disks hold it, each with the torchrun agent's
 own output (launch configs and rendezvous result, as torch 2.2 prints them).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 RUN_ID = "dino-4n-7741"  # torchrun --rdzv-id
 EXPERIMENT = "dino"

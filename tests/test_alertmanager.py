@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from nanwatch.config import parse_config
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.errors import ConfigError, DeliveryError
 from nanwatch.events import parse_utc
 from nanwatch.notify.alertmanager import RESEND, AlertmanagerSink, api_url, redact
 from nanwatch.notify.outbox import Sender
-from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
 
 from .am_server import Catcher

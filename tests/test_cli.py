@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import COMMANDS, cli
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .conftest import nanwatch
 

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from nanwatch.cli import _common, _filters, cli
+from nanwatch.demo.simulate import TrainingRun
 from nanwatch.events import KINDS
-from nanwatch.simulate import TrainingRun
 
 from .conftest import ROOT
 

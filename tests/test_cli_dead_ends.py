@@ -10,7 +10,7 @@ from pathlib import Path
 from click.testing import CliRunner, Result
 
 from nanwatch.cli import cli
-from nanwatch.simulate import demo_scenario
+from nanwatch.demo.simulate import demo_scenario
 
 
 def run_cli(*args: str) -> Result:

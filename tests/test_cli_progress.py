@@ -12,7 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .conftest import ROOT
 

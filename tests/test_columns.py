@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.detect import Detector, StreamState, load_rules
 from nanwatch.detect.prefilter import Prefilter
-from nanwatch.pipeline import Pipeline
 from nanwatch.query import iter_events
 from nanwatch.store import Store
 

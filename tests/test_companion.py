@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from nanwatch.cli import cli
 from nanwatch.config import Config
 from nanwatch.correlate.knowledge import Knowledge
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.detect import Detector, StreamState, companion, load_rules
-from nanwatch.pipeline import Pipeline
 from nanwatch.query import list_incidents, list_runs, show_incident
 from nanwatch.render import render_story
 from nanwatch.store import Store
@@ -309,7 +309,7 @@ def test_line_starts_find_every_record() -> None:
 
 def test_show_says_the_cann_version_is_unknown_and_how_to_find_it(tmp_path: Path) -> None:
     """A job without torch_npu loaded says so in its facts; `show` passes it on."""
-    from nanwatch._probe_facts import collect_facts
+    from nanwatch.integrations.probe_facts import collect_facts
 
     facts = collect_facts(environ={"RANK": "6", "WORLD_SIZE": "8"})
     assert "cann" not in facts["versions"]

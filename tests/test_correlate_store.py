@@ -13,8 +13,8 @@ import pytest
 import nanwatch
 from nanwatch.config import Config
 from nanwatch.correlate.origin import origin_for
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.events import Event
-from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
 from nanwatch.store.events import Events
 from nanwatch.store.incidents import Incidents, IncidentUpdate, NewIncident, StatusChange

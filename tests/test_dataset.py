@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import nanwatch.dataset as dataset
+import nanwatch.correlate.dataset as dataset
 from nanwatch.cli import cli
-from nanwatch.dataset import DatasetError, check
+from nanwatch.correlate.dataset import DatasetError, check
 
 
 def coco(path: Path, *, seed: int = 0, n_images: int = 300) -> dict[int, str]:

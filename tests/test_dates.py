@@ -6,9 +6,9 @@ import datetime as _dt
 import os
 from pathlib import Path
 
-from nanwatch.dates import infer_year, local_epoch
 from nanwatch.detect import Detector, load_rules
 from nanwatch.events import format_utc
+from nanwatch.sources.dates import infer_year, local_epoch
 from nanwatch.stream import StreamState
 
 JAN_2_2027 = local_epoch(2027, 1, 2, 12, 0, 0) or 0.0

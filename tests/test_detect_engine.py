@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from nanwatch.demo.simulate import TrainingRun
 from nanwatch.detect import Detector, StreamState, load_rules
 from nanwatch.events import Event, Metric
-from nanwatch.simulate import TrainingRun
 
 DETECTOR = Detector(load_rules(), default_year=2026)
 

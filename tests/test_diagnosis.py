@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
-from nanwatch.query import list_incidents, show_incident
-from nanwatch.simulate import (
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import (
     TrainingRun,
     hccl_ei0002,
     mmengine_iter_line,
     npu_oom_traceback,
     seed_scenario,
 )
+from nanwatch.query import list_incidents, show_incident
 from nanwatch.store import Store
 
 

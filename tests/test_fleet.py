@@ -53,7 +53,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def node_dbs(logs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each node's logs scanned once into its own database (copied by the tests that forward)."""
     from nanwatch.config import ClusterConfig, Config
-    from nanwatch.pipeline import Pipeline
+    from nanwatch.daemon.pipeline import Pipeline
     from nanwatch.store import Store
 
     base = tmp_path_factory.mktemp("node-dbs")
@@ -360,7 +360,7 @@ def test_watch_forwards_live_through_a_fleet_store_outage(
     reading; what was committed meanwhile arrives after the restart, each event once."""
     import datetime as dt
 
-    from nanwatch.simulate import mmengine_iter_line
+    from nanwatch.demo.simulate import mmengine_iter_line
 
     node = "node-05"
     here = tmp_path / "logs"

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
+from nanwatch.demo.simulate import TrainingRun
 from nanwatch.detect import Detector, StreamState, load_rules
 from nanwatch.errors import RuleError
 from nanwatch.events import Event
-from nanwatch.simulate import TrainingRun
 
 DETECTOR = Detector(load_rules(), default_year=2026)
 FIXTURES = Path(__file__).parent / "fixtures"

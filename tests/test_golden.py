@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.query import iter_events, list_incidents
 from nanwatch.store import Store
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config, SourcesConfig
+from nanwatch.daemon.pipeline import Backoff, Pipeline
 from nanwatch.errors import StoreError
-from nanwatch.pipeline import Backoff, Pipeline
 from nanwatch.sources.discover import make_roots
 from nanwatch.sources.watcher import choose_mode
 from nanwatch.store import Store
@@ -331,7 +331,7 @@ def test_a_file_made_readable_is_followed_without_a_rescan(
     db.parent.mkdir()
     db.parent.chmod(0o777)
     code = (
-        "import sys, nanwatch.pipeline as p; p.SAFETY_POLL = 3600.0; "
+        "import sys, nanwatch.daemon.pipeline as p; p.SAFETY_POLL = 3600.0; "
         "from nanwatch.cli import main; sys.argv[0] = 'nanwatch'; main()"
     )
     watch = start_watch(

@@ -84,7 +84,7 @@ OOM_RANK = 130  # on node-16 of 32
 def fleet_dbs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """32 nodes of 8 ranks, each scanned into its own database (node-00 first)."""
     from nanwatch.config import ClusterConfig, Config
-    from nanwatch.pipeline import Pipeline
+    from nanwatch.daemon.pipeline import Pipeline
 
     base = tmp_path_factory.mktemp("fleet")
     dbs = []

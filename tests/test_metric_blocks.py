@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from nanwatch.cli import cli
 from nanwatch.config import Config
 from nanwatch.correlate import slowdown
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.events import Metric
-from nanwatch.pipeline import Pipeline
 from nanwatch.query import list_incidents
-from nanwatch.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.store import SCHEMA_VERSION, Store
 from nanwatch.store.metrics import MetricColumns, Metrics, decode, encode
 from nanwatch.store.schema import MIGRATIONS

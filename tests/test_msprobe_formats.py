@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.detect.msprobe.dump import classify_alert
 from nanwatch.detect.msprobe.names import locate, maybe_squashed, parse_tag, suffix_matches
 from nanwatch.detect.msprobe.reader import MonitorReader
 from nanwatch.detect.msprobe.rows import layout, parse_row
-from nanwatch.pipeline import Pipeline
 from nanwatch.sources.monitor import classify, folder_time
 from nanwatch.store import Store
 from nanwatch.stream import StreamState

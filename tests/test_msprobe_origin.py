@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.query import list_incidents, list_runs
 from nanwatch.store import Store
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 import nanwatch
 from nanwatch.cli import cli
+from nanwatch.demo.simulate import TrainingRun
 from nanwatch.notify.view import load_incident
 from nanwatch.query import incident_dict, list_incidents
-from nanwatch.simulate import TrainingRun
 from nanwatch.store import Store
 from nanwatch.store.outbox import OutboxStore
 from nanwatch.store.records import MessageRef, Outcome, Queued

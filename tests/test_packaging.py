@@ -11,7 +11,7 @@ import pytest
 
 import nanwatch
 from nanwatch.detect import load_rules
-from nanwatch.resources import data_dir
+from nanwatch.detect.resources import data_dir
 
 from .conftest import ROOT
 
@@ -76,7 +76,7 @@ def test_wheel_ships_and_loads_the_data(wheel: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     probe = (
-        "import nanwatch.resources as r, nanwatch.detect as d; "
+        "import nanwatch.detect.resources as r, nanwatch.detect as d; "
         "print(r.data_dir('parsers')); print(r.data_dir('alerts')); "
         "print(len(d.load_rules().rules))"
     )

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import nanwatch
 from nanwatch.config import Config
-from nanwatch.passes import Passes
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.passes import Passes
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.sources.copies import CopyJudge
 from nanwatch.sources.tailer import Tracker
 from nanwatch.store import Store

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import TrainingRun
 from nanwatch.query import list_incidents, list_runs
-from nanwatch.simulate import TrainingRun
 from nanwatch.store import Store
 
 from .test_sources import nan_line, ok_line
@@ -160,7 +160,7 @@ def test_a_stop_in_the_middle_of_a_catch_up_commits_what_was_read(
     next start resumes where it stopped, with nothing lost or duplicated."""
     import threading
 
-    from nanwatch import pipeline
+    from nanwatch.daemon import pipeline
 
     logs = tmp_path / "logs"
     logs.mkdir()

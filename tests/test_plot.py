@@ -20,10 +20,10 @@ from matplotlib.lines import Line2D
 from matplotlib.text import Text
 
 from nanwatch.config import Config
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import demo_scenario
 from nanwatch.notify.plot import PlotRow, build_figure, metrics_for, render_png
-from nanwatch.pipeline import Pipeline
 from nanwatch.query import incident_dict, list_incidents
-from nanwatch.simulate import demo_scenario
 from nanwatch.store import Store
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-import nanwatch.passes as passes_module
+import nanwatch.daemon.passes as passes_module
 from nanwatch.config import Config
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import npu_oom_traceback, seed_scenario
 from nanwatch.detect.pool import usable_workers
-from nanwatch.pipeline import Pipeline
-from nanwatch.simulate import npu_oom_traceback, seed_scenario
 from nanwatch.store import Store
 from nanwatch.store.metrics import Metrics
 

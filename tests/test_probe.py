@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nanwatch._probe_facts import collect_facts, stats_fields  # noqa: E402
 from nanwatch.detect import companion  # noqa: E402
+from nanwatch.integrations.probe_facts import collect_facts, stats_fields  # noqa: E402
 from nanwatch.probe import Probe, encode  # noqa: E402
 
 

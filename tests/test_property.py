@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.store import Store
 
 SEED = int(os.environ.get("NANWATCH_TEST_SEED", random.randrange(1 << 31)))

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import hccl_ei0002, mmengine_iter_line, npu_oom_traceback
 from nanwatch.query import list_incidents
-from nanwatch.simulate import hccl_ei0002, mmengine_iter_line, npu_oom_traceback
 from nanwatch.store import Store
 
 T0 = dt.datetime(2026, 11, 30, 10, 0, 0)

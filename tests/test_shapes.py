@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from nanwatch.shapes import ShapeResolver, find_checkpoint, index_checkpoint
+from nanwatch.correlate.shapes import ShapeResolver, find_checkpoint, index_checkpoint
 
 from .conftest import nanwatch
 
@@ -154,7 +154,8 @@ def test_the_daemon_side_never_imports_torch(tmp_path: Path) -> None:
     ckpt = tmp_path / "m.pth"
     torch.save({"state_dict": Dino().state_dict()}, ckpt)
     code = (
-        "import sys; import nanwatch.pipeline; from nanwatch.shapes import ShapeResolver;"
+        "import sys; import nanwatch.daemon.pipeline; "
+        "from nanwatch.correlate.shapes import ShapeResolver;"
         f"r = ShapeResolver({str(ckpt)!r}); c = r.lookup(None, 'layers.9.weight', [80, 256]);"
         "assert c and c['candidates_total'] == 8 and c['ambiguous'], c;"
         "assert 'torch' not in sys.modules; print('ok')"
@@ -192,7 +193,7 @@ def test_candidates_for_squashed_and_unknown_names(tmp_path: Path) -> None:
 
 def test_nan_events_get_candidates_during_a_run(tmp_path: Path) -> None:
     from nanwatch.config import Config
-    from nanwatch.pipeline import Pipeline
+    from nanwatch.daemon.pipeline import Pipeline
     from nanwatch.query import list_incidents
     from nanwatch.store import Store
 

@@ -18,6 +18,8 @@ import pytest
 
 from nanwatch.config import AlertsConfig, Config, parse_config
 from nanwatch.correlate import Change
+from nanwatch.daemon.pipeline import Pipeline
+from nanwatch.demo.simulate import seed_scenario
 from nanwatch.errors import ConfigError
 from nanwatch.notify.outbox import Sender
 from nanwatch.notify.silences import add_silence
@@ -31,8 +33,6 @@ from nanwatch.notify.slack_text import (
     parent_blocks,
     visible_chars,
 )
-from nanwatch.pipeline import Pipeline
-from nanwatch.simulate import seed_scenario
 from nanwatch.store import Store
 
 from .slack_server import TOKEN, SlackServer

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from nanwatch.cli import cli
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .conftest import nanwatch
 from .slack_server import TOKEN, SlackServer

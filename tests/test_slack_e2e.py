@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .conftest import NANWATCH, nanwatch, wait_for
 from .slack_server import TOKEN, SlackServer

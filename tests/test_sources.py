@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nanwatch.config import Config
-from nanwatch.pipeline import Pipeline
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.sources.discover import rank_from_path, sniff_bytes
 from nanwatch.sources.records import SourceRecord, rotated_name_of
 from nanwatch.store import Store
@@ -528,7 +528,7 @@ def following(
     arrives came through the watcher (or the poll interval), never the periodic walk."""
     import threading
 
-    from nanwatch import pipeline as pipeline_mod
+    from nanwatch.daemon import pipeline as pipeline_mod
     from nanwatch.config import SourcesConfig
 
     monkeypatch.setattr(pipeline_mod, "SAFETY_POLL", 3600.0)

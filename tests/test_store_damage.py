@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from nanwatch.cli import cli
 from nanwatch.config import Config
+from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.errors import StoreError
-from nanwatch.pipeline import Pipeline
 from nanwatch.store import Store
 from nanwatch.store.db import check_integrity, recovery_steps
 

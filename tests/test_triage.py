@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from nanwatch.cli import cli
-from nanwatch.simulate import TrainingRun
+from nanwatch.demo.simulate import TrainingRun
 
 from .slack_server import TOKEN, SlackServer
 

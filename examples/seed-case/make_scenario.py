@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from nanwatch.simulate import seed_scenario
+from nanwatch.demo.simulate import seed_scenario
 
 
 def main() -> None:

@@ -116,7 +116,7 @@ def _print_incidents(
     until: str | None,
     rank: int | None,
 ) -> None:
-    from ..tables import incidents_table
+    from .tables import incidents_table
 
     if as_json:
         for inc in rows:
@@ -229,7 +229,7 @@ def events(
       nanwatch events --run 20261130_101500 --since 30m
     """
     from ..query import iter_events, run_names
-    from ..tables import events_table
+    from .tables import events_table
 
     t0, t1 = check_filters(kind, limit, since, until)
     if isinstance(db, str):
@@ -308,7 +308,7 @@ def runs(config_path: Path | None, db: Path | str | None, as_json: bool) -> None
       nanwatch runs --json | jq .facts
     """
     from ..query import list_runs
-    from ..tables import runs_table
+    from .tables import runs_table
 
     if isinstance(db, str):
         from . import _fleet_reads

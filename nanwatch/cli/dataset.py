@@ -42,7 +42,7 @@ def check_dataset(classes: str | None, limit: int, as_json: bool, annotations: P
       nanwatch check-dataset data/coco/annotations/instances_train2017.json
       nanwatch check-dataset train.json --classes person,car,bicycle --json | jq .reasons
     """
-    from ..dataset import check
+    from ..correlate.dataset import check
     from ..render import table
 
     names = [c.strip() for c in classes.split(",") if c.strip()] if classes else None

@@ -79,15 +79,15 @@ def replay(
     incidents table and the dataset check. ``pause(simulated seconds)`` paces it; returns
     the database's path."""
     from ..config import Config
-    from ..dataset import check
+    from ..correlate.dataset import check
+    from ..daemon.pipeline import Pipeline
+    from ..demo.simulate import TrainingRun, demo_scenario
     from ..events import format_utc
     from ..notify.console import ConsoleSink
     from ..notify.outbox import Sender
-    from ..pipeline import Pipeline
     from ..query import list_incidents
-    from ..simulate import TrainingRun, demo_scenario
     from ..store import Store
-    from ..tables import incidents_table
+    from .tables import incidents_table
 
     base.mkdir(parents=True, exist_ok=True)
     db_path = base / "nanwatch.db"

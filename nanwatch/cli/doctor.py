@@ -53,7 +53,7 @@ def check_config(
     config_path: Path | None, paths: tuple[str, ...] = ()
 ) -> tuple[Any, list[Finding]]:
     from ..config import Config, load_config
-    from ..daemon import preflight
+    from ..daemon.service import preflight
     from ..errors import NanwatchError
     from .ingest import _sinks
 

@@ -108,7 +108,7 @@ def watch(
       nanwatch watch --db /tmp/nw.db '/data/logs/*/rank*.log'
       systemctl reload nanwatch        # SIGHUP: re-read the config
     """
-    from ..daemon import Service, setup_logging
+    from ..daemon.service import Service, setup_logging
 
     setup_logging(verbose)
     try:
@@ -180,7 +180,7 @@ def scan(
     """
     setup_logging(verbose, quiet_default=True)
     config, db_path = resolve(config_path, db)
-    from ..pipeline import Pipeline
+    from ..daemon.pipeline import Pipeline
     from ..query import list_incidents
     from ..render import render_incident_line
     from ..store import Store

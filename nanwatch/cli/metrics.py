@@ -61,7 +61,7 @@ def _cell(v: object) -> str:
 
 
 def _table(rows: Iterable[MetricRow], width: int | None) -> Iterator[str]:
-    from ..tables import Column, fit
+    from .tables import Column, fit
 
     cols = [
         Column("RUN", cut="start", cut_rank=1, min_width=8),

@@ -33,8 +33,8 @@ def shapes(checkpoint: Path, shape: str | None, as_json: bool) -> None:
       nanwatch shapes work_dirs/dino/epoch_12.pth --shape 80,256
       nanwatch shapes model.safetensors --json | jq -r .module
     """
+    from ..correlate.shapes import index_checkpoint, parse_shape
     from ..errors import SourceError
-    from ..shapes import index_checkpoint, parse_shape
 
     if not checkpoint.exists():
         raise SourceError(f"{checkpoint}: no such checkpoint; check the path")

@@ -363,7 +363,7 @@ class Knowledge:
         cann_version: str | None = None,
         node_facts: bool = True,
     ) -> Knowledge:
-        from ..resources import data_dir
+        from ..detect.resources import data_dir
 
         folders = [Path(d) for d in dirs]
         if builtin:

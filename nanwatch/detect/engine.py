@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..dates import file_bound
 from ..events import DEVICES, Event, Metric
+from ..sources.dates import file_bound
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
 from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT

@@ -726,7 +726,7 @@ def load_rules(
     rule (``examples.py``), or the load fails naming the file, the rule and the example: a site
     pack is configuration, and a rule that does not read its own lines is a broken one.
     """
-    from ..resources import data_dir
+    from .resources import data_dir
 
     shipped = data_dir("parsers")
     # the shipped folder named as a site folder (`rules --check parsers` in a checkout) is read once

@@ -2,8 +2,9 @@
 
 Naive timestamps are in the node's local time zone (``TZ`` applies), like the logs that carry
 them. Year-less layouts (glog ``E0325 20:57:27``, ``[10-12 14:07:33``) take the year that
-:func:`nanwatch.dates.infer_year` reads from the data: not after the file's modification time,
-and not before the stream's previous dated line (so a log across New Year rolls over forward).
+:func:`nanwatch.sources.dates.infer_year` reads from the data: not after the file's
+modification time, and not before the stream's previous dated line (so a log across New Year
+rolls over forward).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import re
 import time as _time
 from typing import Any
 
-from ..dates import BACKSTEP, infer_year, local_epoch
 from ..events import format_utc
+from ..sources.dates import BACKSTEP, infer_year, local_epoch
 
 # Searched within the first bytes of a line; the first layout that matches wins.
 _FULL = re.compile(

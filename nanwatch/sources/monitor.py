@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..dates import infer_year, zoned_epoch
 from ..events import TAGS
+from .dates import infer_year, zoned_epoch
 
 # msprobe matches its own folders with `([\w-]{0,20})-rank(\d{1,5})-`; the time is '%b%d_%H-%M-%S'
 RANK_DIR = re.compile(
@@ -121,8 +121,8 @@ def classify(path: str) -> MonitorFile | None:
 def folder_time(name: str, bound: float) -> float | None:
     """Start time (epoch seconds) of a V1 rank folder ``Nov30_15-48-51-rank1-de3ab572``.
 
-    The name has no year: the one :func:`nanwatch.dates.infer_year` gives for a folder that was
-    created before ``bound`` (its mtime: msprobe writes into it after naming it).
+    The name has no year: the one :func:`nanwatch.sources.dates.infer_year` gives for a
+    folder that was created before ``bound`` (its mtime: msprobe writes into it after naming it).
     """
     m = RANK_DIR.match(name)
     if m is None:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .errors import SourceError
+from ..errors import SourceError
 
 MAX_PICKLE = 512 << 20
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C

@@ -30,19 +30,19 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .config import Config, load_config
-from .correlate import Change
-from .detect import RuleSet, load_rules
-from .errors import ConfigError, NanwatchError
-from .notify.outbox import Sink
+from ..config import Config, load_config
+from ..correlate import Change
+from ..detect import RuleSet, load_rules
+from ..errors import ConfigError, NanwatchError
+from ..notify.outbox import Sink
+from ..sources import make_roots
+from ..store import Store
+from ..store.reads import Reads
+from ..store.retention import Housekeeper, cap_wal
 from .pipeline import Pipeline
-from .sources import make_roots
-from .store import Store
-from .store.reads import Reads
-from .store.retention import Housekeeper, cap_wal
 
 if TYPE_CHECKING:
-    from .metrics import MetricsServer, NanwatchCollector
+    from .prometheus import MetricsServer, NanwatchCollector
 
 log = logging.getLogger("nanwatch.daemon")
 
@@ -449,7 +449,7 @@ class Service:
         if pipe is None or collector is None or (not force and too_soon):
             return
         self._last_snap = now
-        from .metrics import Snapshot, SourceSnap
+        from .prometheus import Snapshot, SourceSnap
 
         collector.snapshot = Snapshot(
             mode=pipe.mode,
@@ -492,7 +492,7 @@ class Service:
     # -- reload ----------------------------------------------------------------------------------
 
     def _serve(self, listen: str) -> MetricsServer:
-        from .metrics import NanwatchCollector, serve
+        from .prometheus import NanwatchCollector, serve
 
         if self.collector is None:
             self.collector = NanwatchCollector(self.db_path)

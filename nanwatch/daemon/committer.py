@@ -16,15 +16,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import StoreError
-from .events import Event, Metric, now_utc
+from ..errors import StoreError
+from ..events import Event, Metric, now_utc
+from ..sources import Chunk, Root, SourceRecord, Tracker
+from ..sources.discover import rank_from_path
+from ..store import Store
+from ..store.records import JSON, Source
+from ..store.sources import Sources
+from ..stream import StreamState
 from .run_identity import RunIdentity
-from .sources import Chunk, Root, SourceRecord, Tracker
-from .sources.discover import rank_from_path
-from .store import Store
-from .store.records import JSON, Source
-from .store.sources import Sources
-from .stream import StreamState
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import NanwatchError
+from ..errors import NanwatchError
 
 READ = 1 << 20
 

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..detect.msprobe.names import param_key, suffix_matches
+from ..errors import SourceError
+from ..sources.monitor import RANK_DIR, V2_RANK_DIR
 from .checkpoint import read_checkpoint, read_with_torch, state_dict_of
-from .detect.msprobe.names import param_key, suffix_matches
-from .errors import SourceError
-from .sources.monitor import RANK_DIR, V2_RANK_DIR
 
 log = logging.getLogger("nanwatch.shapes")
 

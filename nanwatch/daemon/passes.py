@@ -15,23 +15,23 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from ..config import Config
+from ..correlate import Change, Correlator
+from ..correlate.chains import Timeouts
+from ..correlate.knowledge import Knowledge
+from ..correlate.shapes import ShapeResolver
+from ..detect import Detector, RuleSet, load_rules
+from ..detect.msprobe import MonitorReader
+from ..detect.msprobe.reader import Rewritten
+from ..detect.pool import DetectorPool, Done, usable_workers
+from ..notify.outbox import Outbox, Sink
+from ..sources import Chunk, Root, SourceRecord, Tracker, make_roots
+from ..store import Store
+from ..store.sources import Sources
+from ..stream import StreamState
 from .committer import Committer, Pending, Stats, known_records
-from .config import Config
-from .correlate import Change, Correlator
-from .correlate.chains import Timeouts
-from .correlate.knowledge import Knowledge
-from .detect import Detector, RuleSet, load_rules
-from .detect.msprobe import MonitorReader
-from .detect.msprobe.reader import Rewritten
-from .detect.pool import DetectorPool, Done, usable_workers
-from .notify.outbox import Outbox, Sink
 from .router import Route, Router
 from .run_identity import RunIdentity
-from .shapes import ShapeResolver
-from .sources import Chunk, Root, SourceRecord, Tracker, make_roots
-from .store import Store
-from .store.sources import Sources
-from .stream import StreamState
 
 BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000

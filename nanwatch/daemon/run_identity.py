@@ -12,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from .config import ClusterConfig
-from .detect.companion import run_update
-from .events import Event
-from .sources import Root
-from .sources.identity import identity_of_run, rank_fill, stored_names, this_node
-from .sources.runs import run_key
-from .store import Store
-from .store.records import JSON
-from .store.sources import SourceRuns
-from .stream import StreamState
+from ..config import ClusterConfig
+from ..detect.companion import run_update
+from ..events import Event
+from ..sources import Root
+from ..sources.identity import identity_of_run, rank_fill, stored_names, this_node
+from ..sources.runs import run_key
+from ..store import Store
+from ..store.records import JSON
+from ..store.sources import SourceRuns
+from ..stream import StreamState
 
 
 class RunIdentity:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .events import ranks_text
-from .render import Doc
+from ..events import ranks_text
+from ..render import Doc
 
 RESET = "\x1b[0m"
 # incident severity (and status) -> ANSI style of its STATUS and KIND cells
@@ -183,7 +183,7 @@ def _style(inc: Doc) -> str | None:
 def incidents_table(
     incidents: Sequence[Doc], *, width: int | None = None, color: bool = False
 ) -> str:
-    from .render import origin_text
+    from ..render import origin_text
 
     tails = run_tails([str(i.get("run") or "-") for i in incidents])
     rows = []

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .detect import Detector
-from .detect.msprobe import MonitorReader
-from .events import Event, Metric
-from .sources import Chunk, SourceRecord
-from .store.records import JSON
-from .stream import StreamState
+from ..detect import Detector
+from ..detect.msprobe import MonitorReader
+from ..events import Event, Metric
+from ..sources import Chunk, SourceRecord
+from ..store.records import JSON
+from ..stream import StreamState
 
 Route = Literal["rules", "monitor", "snapshot"]
 

@@ -11,19 +11,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from ..config import Config
+from ..correlate import Change, Correlator
+from ..detect import Detector, RuleSet
+from ..errors import StoreError
+from ..notify.forward import Forwarder
+from ..notify.outbox import Outbox, Result, Sender, Sink
+from ..sources import Root, Tracker, make_roots
+from ..sources.identity import this_node
+from ..sources.watcher import Watcher, choose_mode
+from ..store import Store
+from ..store.db import damaged, is_damage
 from .committer import Committer, Stats
-from .config import Config
-from .correlate import Change, Correlator
-from .detect import Detector, RuleSet
-from .errors import StoreError
-from .notify.forward import Forwarder
-from .notify.outbox import Outbox, Result, Sender, Sink
 from .passes import Passes
-from .sources import Root, Tracker, make_roots
-from .sources.identity import this_node
-from .sources.watcher import Watcher, choose_mode
-from .store import Store
-from .store.db import damaged, is_damage
 
 log = logging.getLogger("nanwatch")
 

@@ -25,10 +25,10 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 
-from . import __version__
-from .config import parse_listen
-from .errors import ConfigError, StoreError
-from .store import Store
+from .. import __version__
+from ..config import parse_listen
+from ..errors import ConfigError, StoreError
+from ..store import Store
 
 log = logging.getLogger("nanwatch.metrics")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parent.parent  # the nanwatch package
 
 
 def data_dir(name: str) -> Path:
