@@ -51,7 +51,7 @@ def incidents(seed_db: Path) -> Iterator[dict[str, tuple[dict[str, Any], list[Pl
         for inc in list_incidents(store.conn):
             full = incident_dict(store.conn, inc["id"])
             assert full is not None
-            out[inc["kind"]] = (full, metrics_for(store.conn, full))
+            out[inc["kind"]] = (full, metrics_for(store, full))
         yield out
     finally:
         store.close()

@@ -528,8 +528,8 @@ def following(
     arrives came through the watcher (or the poll interval), never the periodic walk."""
     import threading
 
-    from nanwatch.daemon import pipeline as pipeline_mod
     from nanwatch.config import SourcesConfig
+    from nanwatch.daemon import pipeline as pipeline_mod
 
     monkeypatch.setattr(pipeline_mod, "SAFETY_POLL", 3600.0)
     config = Config(sources=SourcesConfig(mode=mode, poll_interval=0.2))

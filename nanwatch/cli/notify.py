@@ -218,7 +218,7 @@ def plot(config_path: Path | None, db: Path | None, output: Path, incident_id: i
             raise NanwatchError(
                 f"no incident {incident_id} in {store.path}; see `nanwatch incidents`"
             )
-        rows = metrics_for(store.conn, inc)
+        rows = metrics_for(store, inc)
     finally:
         store.close()
     png = render_png(inc, rows)

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import socketserver
-import sqlite3
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,9 @@ from prometheus_client.exposition import MetricsHandler
 from .. import __version__
 from ..config import parse_listen
 from ..errors import ConfigError, StoreError
-from ..store import Store
+from ..store import DatabaseError, Store
+from ..store.outbox import OutboxStore
+from ..store.reads import Reads
 
 log = logging.getLogger("nanwatch.metrics")
 
@@ -181,15 +182,10 @@ class NanwatchCollector:
         try:
             if self._reader is None:
                 self._reader = Store.open(self.db_path, readonly=True)
-            conn = self._reader.conn
-            open_ = conn.execute(
-                "SELECT kind, count(*) FROM incidents WHERE status = 'open' GROUP BY kind"
-            ).fetchall()
-            depth = conn.execute(
-                "SELECT sink, count(*) FROM outbox WHERE delivered_at IS NULL GROUP BY sink"
-            ).fetchall()
+            open_ = Reads(self._reader).open_by_kind()
+            depth = OutboxStore(self._reader).depth_by_sink()
             sizes = self._reader.size_info()
-        except (sqlite3.Error, StoreError) as e:
+        except (DatabaseError, StoreError) as e:
             log.warning("metrics: cannot read %s (%s)", self.db_path, e)
             self.close()
             return

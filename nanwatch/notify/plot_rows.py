@@ -7,14 +7,16 @@ Frozen :class:`PlotRow` records, one per logged iteration (``series`` tells whic
 
 from __future__ import annotations
 
-import json
 import math
-import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..store.db import Store
+from ..store.events import Events
+from ..store.incidents import Incidents
 from ..store.metrics import Metrics
+from ..store.runs import Runs
 
 BEFORE = 200  # steps shown before the origin
 AFTER = 100
@@ -46,17 +48,16 @@ class PlotRow:
         return v
 
 
-def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[PlotRow]:
+def metrics_for(store: Store, incident: Mapping[str, Any]) -> list[PlotRow]:
     """Metric rows of the incident's run around its origin (every rank, every stage), and for a
     slowdown measured against another run, that run's training rows over the same steps
     (``series`` is ``"baseline"`` on those, ``"current"`` on the others)."""
-    row = conn.execute(
-        "SELECT run_id FROM incidents WHERE id = ?", (incident.get("id"),)
-    ).fetchone()
-    if row is None or row[0] is None:
+    iid = incident.get("id")
+    inc = Incidents(store).get(int(iid)) if isinstance(iid, int) else None
+    if inc is None or inc.run_id is None:
         return []
-    run_id = row[0]
-    metrics = Metrics.reading(conn)
+    run_id = inc.run_id
+    metrics = Metrics(store)
     origin = incident.get("origin") or {}
     step = origin.get("step")
     if step is None:
@@ -68,15 +69,12 @@ def metrics_for(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[P
         lo, hi = step - BEFORE, step + AFTER
     out = _rows(metrics, run_id, lo, hi, "current", train_only=False)
     if incident.get("kind") == "oom":
-        out += _oom_row(conn, incident)
+        out += _oom_row(store, incident)
     against = origin.get("against")
     if incident.get("kind") == "slowdown" and against and against != "own":
-        base = conn.execute(
-            "SELECT id FROM runs WHERE name = ? AND id != ? ORDER BY id DESC LIMIT 1",
-            (against, run_id),
-        ).fetchone()
-        if base is not None:
-            out += _rows(metrics, base[0], lo, hi, "baseline", train_only=True)
+        base = Runs(store).by_name(str(against))
+        if base is not None and base.id != run_id:
+            out += _rows(metrics, base.id, lo, hi, "baseline", train_only=True)
     return out
 
 
@@ -104,20 +102,15 @@ def _rows(
     return got[:LIMIT]
 
 
-def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[PlotRow]:
+def _oom_row(store: Store, incident: Mapping[str, Any]) -> list[PlotRow]:
     """What the allocator said when it failed (``series`` ``"oom"``), in MiB like mmengine's
     ``memory``: allocated, requested, device total."""
     origin = incident.get("origin") or {}
-    row = conn.execute(
-        "SELECT rank, step, stage, fields FROM events WHERE id = ? AND kind = 'oom'",
-        (origin.get("event_id"),),
-    ).fetchone()
-    if row is None:
+    eid = origin.get("event_id")
+    ev = Events(store).get(int(eid)) if isinstance(eid, int) else None
+    if ev is None or ev.kind != "oom":
         return []
-    try:
-        fields = json.loads(row[3])
-    except ValueError:
-        return []
+    fields = ev.fields
     mib = {
         k: fields[k] / 2**20
         for k in ("allocated", "reserved", "total", "bytes_requested")
@@ -125,7 +118,7 @@ def _oom_row(conn: sqlite3.Connection, incident: Mapping[str, Any]) -> list[Plot
     }
     if "allocated" not in mib:
         return []
-    return [PlotRow("oom", row[0], row[1], row[2], origin.get("time"), **mib)]
+    return [PlotRow("oom", ev.rank, ev.step, ev.stage, origin.get("time"), **mib)]
 
 
 def finite(v: Any) -> bool:

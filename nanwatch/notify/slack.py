@@ -534,4 +534,4 @@ def _plot_rows(db: OutboxStore, inc: Mapping[str, JSON]) -> list[PlotRow]:
     """The metric rows of the incident's plot (the plot module reads them on a connection)."""
     from .plot import metrics_for
 
-    return metrics_for(db.store.conn, inc)
+    return metrics_for(db.store, inc)

@@ -223,6 +223,13 @@ class OutboxStore:
             sql += f" AND coalesce(last_error, '') NOT LIKE '{SILENCED}%'"
         return int(self.store.execute(sql).fetchone()[0])
 
+    def depth_by_sink(self) -> list[tuple[str, int]]:
+        """(sink, undelivered rows) for the service's metrics."""
+        rows = self.store.execute(
+            "SELECT sink, count(*) FROM outbox WHERE delivered_at IS NULL GROUP BY sink"
+        ).fetchall()
+        return [(str(k), int(n)) for k, n in rows]
+
     def unsent(self) -> tuple[int, float | None]:
         """Undelivered rows not held by a silence, and when the first of them is due."""
         row = self.store.execute(

@@ -221,6 +221,13 @@ class Reads:
             return [_incident_row(r) for r in self.store.execute(sql, w.params)][::-1]
         return [_incident_row(r) for r in self.store.execute(sql + " ORDER BY i.id", w.params)]
 
+    def open_by_kind(self) -> list[tuple[str, int]]:
+        """(kind, how many open incidents) for the service's metrics."""
+        rows = self.store.execute(
+            "SELECT kind, count(*) FROM incidents WHERE status = 'open' GROUP BY kind"
+        ).fetchall()
+        return [(str(k), int(n)) for k, n in rows]
+
     def incident(self, incident_id: int) -> IncidentRow | None:
         row = self.store.execute(_INCIDENT_SELECT + " WHERE i.id = ?", (incident_id,)).fetchone()
         return _incident_row(row) if row else None
