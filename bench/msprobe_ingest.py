@@ -96,8 +96,8 @@ def throughput(ranks: int, steps: int, params: int, runs: int = 1) -> dict[str, 
             pipe = Pipeline(Config(), store, [str(tmp / "run")])
             pipe.scan()
             times.append(time.perf_counter() - t0)
-            events = store.conn.execute("SELECT count(*) FROM events").fetchone()[0]
-            origin = json.loads(store.conn.execute("SELECT origin FROM incidents").fetchone()[0])
+            events = store._conn.execute("SELECT count(*) FROM events").fetchone()[0]
+            origin = json.loads(store._conn.execute("SELECT origin FROM incidents").fetchone()[0])
             store.close()
         dt = statistics.median(times)
         return {

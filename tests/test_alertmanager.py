@@ -143,7 +143,7 @@ def test_open_alerts_are_re_sent_and_resolution_ends_them(
     a.step()
     last = am.alerts()[-1]
     assert last["labels"] == first["labels"]
-    resolved = a.store.conn.execute("SELECT resolved_at FROM incidents").fetchone()[0]
+    resolved = a.store._conn.execute("SELECT resolved_at FROM incidents").fetchone()[0]
     assert last["endsAt"] == resolved
     assert parse_utc(last["endsAt"]) <= time.time()
     assert outbox.enqueue_reminders(now=time.time() + RESEND + 1) == 0  # nothing open

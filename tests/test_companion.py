@@ -159,7 +159,7 @@ def test_run_facts_from_every_rank_keep_rank_zeros_identity(tmp_path: Path) -> N
     store = Store.open(tmp_path / "golden.db")
     try:
         Pipeline(Config(), store, [str(GOLDEN)]).scan()
-        (run,) = list_runs(store.conn)
+        (run,) = list_runs(store._conn)
         f = run["facts"]
         assert (f["rank"], f["local_rank"], f["node"], f["world_size"]) == (0, 0, "node-0", 8)
         assert f["versions"]["cann"] == "7.0.0" and f["versions"]["torchvision"] == "0.16.0"
@@ -171,7 +171,7 @@ def test_run_facts_from_every_rank_keep_rank_zeros_identity(tmp_path: Path) -> N
         }
         assert f["backend"] == "hccl" and f["launcher"] == "pytorch"
         # the knowledge base says which CANN the run printed
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         run_row = Incidents(store).run(run["id"])
         hints = Knowledge.load().hints_for(
             Events(store),
@@ -184,7 +184,7 @@ def test_run_facts_from_every_rank_keep_rank_zeros_identity(tmp_path: Path) -> N
         cann = next(h for h in hints if h["id"] == "nan-embedding-empty-input-cann")
         assert "cann 7.0.0 (printed by the run) is <8.0.0" in cann["text"]
         # the NaN story names the samples
-        text = render_story(show_incident(store.conn, inc["id"]) or {})
+        text = render_story(show_incident(store._conn, inc["id"]) or {})
         assert "rank 6, epoch 3, iter 137: data/new/train/000000001022.jpg (image_id 1022)" in text
         assert "000000000913.jpg" not in text  # long before the NaN
     finally:
@@ -226,7 +226,7 @@ def test_collective_timeouts_from_the_runs_facts(
     }
     store = scan(tmp_path, files)
     try:
-        got = [(i["kind"], i["origin"].get("stage")) for i in list_incidents(store.conn)]
+        got = [(i["kind"], i["origin"].get("stage")) for i in list_incidents(store._conn)]
         assert [k for k, _ in got] == incidents
         assert got[0] == ("oom", "val")
     finally:
@@ -246,7 +246,7 @@ def test_samples_far_from_the_nan_are_not_its_known_cause(tmp_path: Path) -> Non
     }
     store = scan(tmp_path, files)
     try:
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         assert "related_data_issues" not in inc["detail"]
         assert "empty-gt-samples-seen" not in [h["id"] for h in inc["hints"]]
     finally:
@@ -265,7 +265,7 @@ def test_config_timeouts_still_win(tmp_path: Path) -> None:
     )
     store = scan(tmp_path, files, cfg)
     try:
-        assert [i["kind"] for i in list_incidents(store.conn)] == ["oom", "comm_timeout"]
+        assert [i["kind"] for i in list_incidents(store._conn)] == ["oom", "comm_timeout"]
     finally:
         store.close()
 
@@ -280,11 +280,11 @@ def test_samples_read_after_the_nan_join_its_story(tmp_path: Path) -> None:
     try:
         pipe = Pipeline(Config(), store, [str(tmp_path / "work_dir")], live=True)
         pipe.step()
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         assert [d["rank"] for d in inc["detail"]["related_data_issues"]] == [0]
         (work / "rank6.stderr.log").write_text((src / "rank6.stderr.log").read_text())
         pipe.step()
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         related = inc["detail"]["related_data_issues"]
         assert [(d["rank"], d["iter"]) for d in related] == [(0, 140), (6, 137), (6, 137), (6, 137)]
         pipe.tracker.close()
@@ -327,9 +327,9 @@ def test_show_says_the_cann_version_is_unknown_and_how_to_find_it(tmp_path: Path
     assert res.exit_code == 0, res.output
     store = Store.open(db, readonly=True)
     try:
-        (run,) = list_runs(store.conn)
+        (run,) = list_runs(store._conn)
         assert run["facts"]["unknown"]["cann"] == "torch_npu is not imported by the job"
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
     finally:
         store.close()
     res = CliRunner().invoke(cli, ["show", "--db", str(db), str(inc["id"])])

@@ -49,7 +49,7 @@ def test_correlate_holds_no_sql_and_no_connection() -> None:
         assert "import sqlite3" not in text, f.name
         assert not _SQL.search(text), f"{f.name}: {_SQL.search(text)}"
         # one hand-over remains: the slowdown module reads step times through a connection
-        conns = [ln.strip() for ln in text.splitlines() if ".conn" in ln]
+        conns = [ln.strip() for ln in text.splitlines() if "._conn" in ln]
         assert conns == [], f.name
 
 
@@ -156,7 +156,7 @@ def test_reader_refuses_writes(tmp_path: Path) -> None:
         reader = Store.open(db, readonly=True)
         try:
             with pytest.raises(sqlite3.Error):
-                reader.conn.execute("UPDATE incidents SET detail = '{}'")
+                reader._conn.execute("UPDATE incidents SET detail = '{}'")
         finally:
             reader.close()
     finally:

@@ -27,7 +27,7 @@ def scan(db: Path, *paths: Path | str) -> list[dict[str, Any]]:
     store = Store.open(db)
     try:
         Pipeline(Config(), store, [str(p) for p in paths]).scan()
-        return list_incidents(store.conn)
+        return list_incidents(store._conn)
     finally:
         store.close()
 
@@ -35,7 +35,7 @@ def scan(db: Path, *paths: Path | str) -> list[dict[str, Any]]:
 def incidents(db: Path, **kw: Any) -> list[dict[str, Any]]:
     store = Store.open(db, readonly=True)
     try:
-        return list_incidents(store.conn, **kw)
+        return list_incidents(store._conn, **kw)
     finally:
         store.close()
 
@@ -83,7 +83,7 @@ def test_slowdown_against_the_previous_run_scanned_separately(
     assert slow[0]["hints"][0]["id"] == "slowdown-cpu-fallback"
     store = Store.open(db, readonly=True)
     ev = json.loads(
-        store.conn.execute("SELECT fields FROM events WHERE kind = 'slowdown'").fetchone()[0]
+        store._conn.execute("SELECT fields FROM events WHERE kind = 'slowdown'").fetchone()[0]
     )
     store.close()
     assert {"ratio", "baseline", "current"} <= set(ev)
@@ -326,12 +326,12 @@ def test_quiet_incidents_resolve_only_under_watch(tmp_path: Path, db: Path) -> N
         pipe = Pipeline(Config(), store, [str(tmp_path / "job")], live=False)
         pipe.scan()
         assert not pipe.correlator.process(live=False, now=time.time() + 10 * 86400)
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         assert inc["status"] == "open"
         live = Pipeline(Config(), store, [str(tmp_path / "job")], live=True)
         changes = live.correlator.process(live=True, now=time.time() + 2 * 3600)
         assert [c.action for c in changes] == ["resolve"]
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
         assert inc["status"] == "resolved"
         live.tracker.close()
         pipe.tracker.close()
@@ -346,7 +346,7 @@ def test_show_tells_the_story(seed: tuple[TrainingRun, TrainingRun], db: Path) -
     scan(db, run_a.launch_dir)
     store = Store.open(db, readonly=True)
     try:
-        inc = show_incident(store.conn, 1)
+        inc = show_incident(store._conn, 1)
     finally:
         store.close()
     assert inc is not None

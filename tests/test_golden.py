@@ -41,8 +41,8 @@ def test_golden(case: Path, tmp_path: Path) -> None:
     try:
         pipe = Pipeline(Config(), store, inputs)
         pipe.scan()
-        events = list(iter_events(store.conn))
-        incidents = list_incidents(store.conn)
+        events = list(iter_events(store._conn))
+        incidents = list_incidents(store._conn)
         counts: dict[str, int] = {}
         for e in events:
             counts[e["kind"]] = counts.get(e["kind"], 0) + 1

@@ -387,7 +387,7 @@ def test_a_refused_commit_is_retried_without_reading_or_detecting_again(
         fed = _feeds(pipe)
         with log.open("a") as f:
             f.write("".join(nan_line(i) for i in range(2, 3002)))
-        _limit_pages(store, store.conn.execute("PRAGMA page_count").fetchone()[0])
+        _limit_pages(store, store._conn.execute("PRAGMA page_count").fetchone()[0])
         for _ in range(4):
             with pytest.raises(StoreError, match="full"):
                 pipe.step()
@@ -426,7 +426,7 @@ def test_a_paused_watch_retries_on_its_backoff_not_on_every_wake_up(
     log.write_text("".join(nan_line(i) for i in range(1, 3001)))
     db = tmp_path / "nw.db"
     store = Store.open(db)
-    _limit_pages(store, store.conn.execute("PRAGMA page_count").fetchone()[0])
+    _limit_pages(store, store._conn.execute("PRAGMA page_count").fetchone()[0])
     pipe = Pipeline(Config(sources=SourcesConfig(mode="inotify")), store, [str(logs)], live=True)
     now = [0.0]
     pipe.retry = Backoff(clock=lambda: now[0])

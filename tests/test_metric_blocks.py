@@ -152,7 +152,7 @@ def test_a_live_pass_s_few_lines_grow_the_source_s_last_block(tmp_path: Path) ->
     for i in range(300):
         with store.transaction():
             assert store.insert_metrics(run, src, [_m(i * 10, step_time=0.8)]) == 1
-    blocks = store.conn.execute("SELECT n FROM metric_blocks ORDER BY id").fetchall()
+    blocks = store._conn.execute("SELECT n FROM metric_blocks ORDER BY id").fetchall()
     assert blocks == [(256,), (44,)]
     assert [m[0] for m in _stored(store)] == [i * 10 for i in range(300)]
     with store.transaction():
@@ -212,10 +212,10 @@ def test_migration_5_turns_a_schema_4_database_s_rows_into_blocks(tmp_path: Path
         ).fetchall()
     store = Store.open(db)
     try:
-        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        tables = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master")}
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        tables = {r[0] for r in store._conn.execute("SELECT name FROM sqlite_master")}
         assert "metrics" not in tables and "metric_blocks" in tables
-        assert store.conn.execute("SELECT count(*) FROM metric_blocks").fetchone()[0] == 2
+        assert store._conn.execute("SELECT count(*) FROM metric_blocks").fetchone()[0] == 2
         assert [tuple(vars_of(m)) for m in Metrics(store).rows()] == before
         assert store.meta_get("slowdown_metrics_upto") is None
         # the converted blocks keep their identity: the same rows again add nothing
@@ -269,7 +269,7 @@ def _scan(db: Path, path: Path) -> list[dict[str, object]]:
     store = Store.open(db)
     try:
         Pipeline(Config(), store, [str(path)]).scan()
-        return list_incidents(store.conn)
+        return list_incidents(store._conn)
     finally:
         store.close()
 

@@ -102,7 +102,7 @@ def scan(db: Path, *paths: Path) -> Pipeline:
 def the_incident(db: Path) -> dict[str, Any]:
     store = Store.open(db, readonly=True)
     try:
-        incs = list_incidents(store.conn)
+        incs = list_incidents(store._conn)
     finally:
         store.close()
     assert [i["kind"] for i in incs] == ["nan"], incs
@@ -332,8 +332,8 @@ def test_monitor_output_and_stdout_are_one_run_and_relaunches_split(tmp_path: Pa
     scan(tmp_path / "db", root)
     store = Store.open(tmp_path / "db", readonly=True)
     try:
-        runs = [r["name"] for r in list_runs(store.conn)]
-        incs = {i["run"]: i for i in list_incidents(store.conn)}
+        runs = [r["name"] for r in list_runs(store._conn)]
+        incs = {i["run"]: i for i in list_incidents(store._conn)}
     finally:
         store.close()
     assert runs == ["job", "job/Dec01_10-07-00"]
@@ -357,6 +357,6 @@ def test_a_rank_that_appears_twice_is_a_new_launch(tmp_path: Path) -> None:
     scan(tmp_path / "db", root)
     store = Store.open(tmp_path / "db", readonly=True)
     try:
-        assert [r["name"] for r in list_runs(store.conn)] == ["job", "job/Dec01_10-00-40"]
+        assert [r["name"] for r in list_runs(store._conn)] == ["job", "job/Dec01_10-00-40"]
     finally:
         store.close()

@@ -57,11 +57,11 @@ def test_the_notify_stage_has_no_sql_of_its_own() -> None:
 
 
 def test_an_incident_reads_as_the_cli_shows_it(store: Store) -> None:
-    ids = [i["id"] for i in list_incidents(store.conn, include_merged=True)]
+    ids = [i["id"] for i in list_incidents(store._conn, include_merged=True)]
     assert len(ids) >= 2
     for iid in ids:
         view = load_incident(OutboxStore(store), iid)
-        want = incident_dict(store.conn, iid)
+        want = incident_dict(store._conn, iid)
         assert view == want
         assert list(view or {}) == list(want or {})  # the JSON keeps its key order
     assert load_incident(OutboxStore(store), 999) is None

@@ -20,11 +20,11 @@ from nanwatch.store.sources import SourceRuns, Sources
 PACKAGE = Path(nanwatch.__file__).parent
 # the pass loop and the sources stage: every read and write goes through nanwatch.store
 NO_SQL = [
-    "passes.py",
-    "pipeline.py",
-    "committer.py",
-    "router.py",
-    "run_identity.py",
+    "daemon/passes.py",
+    "daemon/pipeline.py",
+    "daemon/committer.py",
+    "daemon/router.py",
+    "daemon/run_identity.py",
     "stream.py",
     "sources/identity.py",
     "sources/tailer.py",
@@ -115,11 +115,11 @@ def test_a_file_renamed_out_of_sight_is_stored_retired_once(tmp_path: Path, db: 
         os.rename(log, tmp_path / "elsewhere.log")  # out of the roots, still open here
         pipe.step()
         assert rec.status == "rotated" and rec.saved_status == "rotated"
-        status = store.conn.execute("SELECT status FROM sources WHERE id = ?", (rec.id,))
+        status = store._conn.execute("SELECT status FROM sources WHERE id = ?", (rec.id,))
         assert status.fetchone()[0] == "rotated"
-        before = store.conn.total_changes
+        before = store._conn.total_changes
         pipe.step()  # the decision is stored: nothing is written again
-        assert store.conn.total_changes == before
+        assert store._conn.total_changes == before
     finally:
         pipe.tracker.close()
         store.close()
@@ -143,7 +143,7 @@ def test_the_pass_loop_has_no_sql_of_its_own() -> None:
     for name in NO_SQL:
         text = (PACKAGE / name).read_text()
         for n, line in enumerate(text.splitlines(), 1):
-            if ".conn" in line or "import sqlite3" in line or _SQL.search(line):
+            if "._conn" in line or "import sqlite3" in line or _SQL.search(line):
                 found.append(f"{name}:{n}: {line.strip()}")
     assert found == []
     # metrics are written in one place (their storage is swapped there)

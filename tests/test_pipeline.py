@@ -52,7 +52,7 @@ def test_origin_is_earliest_step_then_rank(tmp_path: Path, db: Path) -> None:
     run.write()
     scan(db, str(run.work_dir))
     store = Store.open(db, readonly=True)
-    (inc,) = list_incidents(store.conn)
+    (inc,) = list_incidents(store._conn)
     store.close()
     assert inc["kind"] == "nan"
     assert inc["origin"]["rank"] == 6
@@ -66,8 +66,8 @@ def test_launch_folders_split_into_runs_of_one_experiment(tmp_path: Path, db: Pa
     TrainingRun(wd, timestamp="20261201_090000", ranks=2, nan_rank=0).write()
     scan(db, str(wd))
     store = Store.open(db, readonly=True)
-    runs = list_runs(store.conn)
-    incidents = list_incidents(store.conn)
+    runs = list_runs(store._conn)
+    incidents = list_incidents(store._conn)
     store.close()
     assert [r["name"] for r in runs] == ["dino/20261130_101500", "dino/20261201_090000"]
     assert {r["experiment"] for r in runs} == {"dino"}
@@ -83,8 +83,8 @@ def test_forced_run_name(tmp_path: Path, db: Path) -> None:
     b.write()
     scan(db, str(a.work_dir), str(b.work_dir), run="job42")
     store = Store.open(db, readonly=True)
-    runs = list_runs(store.conn)
-    incidents = list_incidents(store.conn)
+    runs = list_runs(store._conn)
+    incidents = list_incidents(store._conn)
     store.close()
     assert [r["name"] for r in runs] == ["job42"]
     assert len(incidents) == 1
@@ -100,8 +100,8 @@ def test_each_path_is_one_run(tmp_path: Path, db: Path) -> None:
         )
     scan(db, str(tmp_path / "job1"), str(tmp_path / "job2"))
     store = Store.open(db, readonly=True)
-    assert [r["name"] for r in list_runs(store.conn)] == ["job1", "job2"]
-    assert len(list_incidents(store.conn)) == 2
+    assert [r["name"] for r in list_runs(store._conn)] == ["job1", "job2"]
+    assert len(list_incidents(store._conn)) == 2
     store.close()
 
 
@@ -145,7 +145,7 @@ def test_stdout_written_before_the_launch_folder_joins_that_launch(
         with (work / "stdout.log").open("a") as f:
             f.write(run.rank_path(0).read_text())
         pipe.step()
-        runs = list_runs(store.conn)
+        runs = list_runs(store._conn)
         pipe.tracker.close()
     finally:
         store.close()
@@ -174,7 +174,7 @@ def test_a_stop_in_the_middle_of_a_catch_up_commits_what_was_read(
         pipe = Pipeline(Config(), store, [str(logs)], live=True)
         pipe.on_progress = pipe.request_stop  # the signal arrives after the first commit
         pipe.watch(threading.Event())
-        offset = store.conn.execute("SELECT max(offset) FROM sources").fetchone()[0]
+        offset = store._conn.execute("SELECT max(offset) FROM sources").fetchone()[0]
         pipe.tracker.close()
     finally:
         store.close()
@@ -184,7 +184,7 @@ def test_a_stop_in_the_middle_of_a_catch_up_commits_what_was_read(
     try:
         pipe = Pipeline(Config(), store, [str(logs)])
         pipe.scan()
-        events = store.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        events = store._conn.execute("SELECT count(*) FROM events").fetchone()[0]
         pipe.tracker.close()
     finally:
         store.close()

@@ -48,8 +48,8 @@ def incidents(seed_db: Path) -> Iterator[dict[str, tuple[dict[str, Any], list[Pl
     store = Store.open(seed_db, readonly=True)
     try:
         out = {}
-        for inc in list_incidents(store.conn):
-            full = incident_dict(store.conn, inc["id"])
+        for inc in list_incidents(store._conn):
+            full = incident_dict(store._conn, inc["id"])
             assert full is not None
             out[inc["kind"]] = (full, metrics_for(store, full))
         yield out

@@ -193,7 +193,7 @@ class Tailing(RuleBasedStateMachine):
         assert set(counts) <= self.must | self.may, f"seed {SEED}: unknown events"
 
     def teardown(self) -> None:
-        if self.store.conn is None:  # pragma: no cover
+        if self.store._conn is None:  # pragma: no cover
             return
         try:
             for _f, (_ident, rest) in list(self.partial.items()):

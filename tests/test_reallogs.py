@@ -99,8 +99,8 @@ def scan_one(path: Path, label: dict[str, Any], tmp: Path) -> Outcome:
     store = Store.open(tmp / f"{path.stem}.db")
     try:
         Pipeline(Config(), store, [str(path)]).scan()
-        events = list(iter_events(store.conn))
-        incidents = list_incidents(store.conn)
+        events = list(iter_events(store._conn))
+        incidents = list_incidents(store._conn)
     finally:
         store.close()
     out = Outcome(path.name, label["kind"], events, incidents, label)

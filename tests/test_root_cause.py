@@ -21,7 +21,7 @@ def scan(db: Path, *paths: Path) -> list[dict[str, Any]]:
     store = Store.open(db)
     try:
         Pipeline(Config(), store, [str(p) for p in paths]).scan()
-        return list_incidents(store.conn)
+        return list_incidents(store._conn)
     finally:
         store.close()
 

@@ -110,13 +110,13 @@ def test_retention_deletes_old_rows_keeps_incidents_and_shrinks_the_file(db: Pat
     reader.execute("COMMIT")
     reader.close()
 
-    kept = [r[0] for r in store.conn.execute("SELECT id FROM events ORDER BY id")]
+    kept = [r[0] for r in store._conn.execute("SELECT id FROM events ORDER BY id")]
     assert kept == [1, 2, 3001, 3002, 3003, 3004, 3005]
-    assert store.conn.execute("SELECT id FROM incidents").fetchall() == [(1,)]
+    assert store._conn.execute("SELECT id FROM incidents").fetchall() == [(1,)]
     assert Metrics(store).count() == 0
     assert hk.deleted == {"events": 2998, "incidents": 1, "metrics": 20000}
     store.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    assert store.conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert store._conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
     assert db.stat().st_size < file_before / 2, (size_before, file_before, db.stat().st_size)
     store.close()
 
@@ -127,12 +127,12 @@ def test_retention_keeps_young_metrics_and_everything_without_keep(db: Path) -> 
     _fill(store, old=10, young=0, now=now, metrics=100)
     hk = Housekeeper(store, StoreConfig())
     assert not hk.step(now)
-    assert store.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 10
+    assert store._conn.execute("SELECT count(*) FROM events").fetchone()[0] == 10
     # marks begin when retention is switched on: rows are never aged before a mark says so
     hk = Housekeeper(store, StoreConfig(keep=90 * DAY))
     _run_pass(hk, now)
     assert Metrics(store).count() == 100
-    assert store.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 0
+    assert store._conn.execute("SELECT count(*) FROM events").fetchone()[0] == 0
     marks = json.loads(store.meta_get("retention_marks") or "[]")
     assert marks == [[pytest.approx(now), 1]]  # the highest metric block then
     store.close()
@@ -159,7 +159,7 @@ def test_max_size_trims_oldest_metrics_then_events(db: Path) -> None:
     _run_pass(hk, now)
     assert store.size_info()["used"] <= used // 2
     assert Metrics(store).count() == 0
-    left = [r[0] for r in store.conn.execute("SELECT id FROM events ORDER BY id")]
+    left = [r[0] for r in store._conn.execute("SELECT id FROM events ORDER BY id")]
     assert left and left == list(range(4001 - len(left), 4001))  # the newest stay
     store.close()
 
@@ -189,7 +189,7 @@ def test_reconfigure_keeps_offsets_and_swaps_rules(tmp_path: Path, db: Path) -> 
         pipe.reconfigure(Config(), [str(runs)])
         pipe.step()
         assert pipe.stats.lines == 4
-        rows = store.conn.execute("SELECT iter FROM events ORDER BY iter").fetchall()
+        rows = store._conn.execute("SELECT iter FROM events ORDER BY iter").fetchall()
         assert rows == [(1,), (3,), (4,)]
         # new rules apply from the next line on
         site = tmp_path / "site"
@@ -199,7 +199,7 @@ def test_reconfigure_keeps_offsets_and_swaps_rules(tmp_path: Path, db: Path) -> 
         with (b / "rank0.log").open("a") as f:
             f.write("SITE-FATAL: the fabric manager died\n")
         pipe.step()
-        kinds = store.conn.execute("SELECT kind FROM events ORDER BY id").fetchall()
+        kinds = store._conn.execute("SELECT kind FROM events ORDER BY id").fetchall()
         assert kinds[-1] == ("process_failure",) and len(kinds) == 4
     finally:
         pipe.tracker.close()

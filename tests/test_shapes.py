@@ -209,7 +209,7 @@ def test_nan_events_get_candidates_during_a_run(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "db")
     try:
         Pipeline(Config(), store, [str(run)]).scan()
-        (inc,) = list_incidents(store.conn)
+        (inc,) = list_incidents(store._conn)
     finally:
         store.close()
     o = inc["origin"]

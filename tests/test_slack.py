@@ -131,7 +131,7 @@ class Rig:
         return self.pipe.outbox.pending()
 
     def outbox(self) -> list[tuple[str, str | None, str | None]]:
-        return list(self.store.conn.execute("SELECT action, delivered_at, last_error FROM outbox"))
+        return list(self.store._conn.execute("SELECT action, delivered_at, last_error FROM outbox"))
 
     def close(self) -> None:
         self.reader.close()
@@ -425,7 +425,7 @@ def test_not_in_channel_is_retried_slowly_with_the_fix(
     rig.pump(lambda: rig.outbox()[0][2] is not None)
     ((_, delivered, error),) = rig.outbox()
     assert delivered is None and "/invite" in str(error)
-    due = rig.store.conn.execute("SELECT due_at FROM outbox").fetchone()[0]
+    due = rig.store._conn.execute("SELECT due_at FROM outbox").fetchone()[0]
     assert due - time.time() > 200  # kept, tried again in minutes, not dropped
 
 
@@ -515,7 +515,7 @@ def test_a_message_posted_just_before_a_kill_is_found_not_posted_again(
         again.pump(lambda: again.pending() == 0)
         assert len(slack.parents()) == 2
         assert slack.calls_to("conversations.history")
-        stored = again.store.conn.execute("SELECT channel, ts FROM messages").fetchall()
+        stored = again.store._conn.execute("SELECT channel, ts FROM messages").fetchall()
         assert sorted(stored) == sorted([(nan.channel, nan.ts), (oom.channel, oom.ts)])
         with open(again.logs / "rank2.log", "a", encoding="utf-8") as f:
             f.write(OOM_LINE.replace("NPU 1", "NPU 2"))
@@ -685,7 +685,7 @@ def test_a_plot_that_never_uploads_is_given_up_after_five_attempts(
     assert len(slack.parents()) == 1  # the message went out whatever the plot did
     assert len(slack.calls_to("files.getUploadURLExternal")) == 5
     assert rig.pending() == 0
-    ((delivered, error),) = rig.store.conn.execute(
+    ((delivered, error),) = rig.store._conn.execute(
         "SELECT delivered_at, last_error FROM outbox WHERE action = 'plot'"
     ).fetchall()
     assert delivered.startswith("failed") and "given up" in error

@@ -100,9 +100,9 @@ def test_an_intact_database_opens_and_the_check_is_bounded(tmp_path: Path) -> No
     db = _database(tmp_path)
     store = Store.open(db, readonly=True)
     try:
-        assert check_integrity(store.conn, db, 10.0) is True
+        assert check_integrity(store._conn, db, 10.0) is True
         # no time left: the check gives up (unchecked) rather than delaying the start
-        assert check_integrity(store.conn, db, -1.0) is False
+        assert check_integrity(store._conn, db, -1.0) is False
     finally:
         store.close()
     assert CliRunner().invoke(cli, ["incidents", "--db", str(db)]).exit_code == 0
@@ -122,9 +122,9 @@ def test_damage_met_during_a_pass_stops_watch_instead_of_pausing(tmp_path: Path)
     guard = threading.Timer(30, stop.set)  # only so that a failing run ends
     try:
         pipe.step()
-        store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        store._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         _damage(db)
-        store.conn.execute("PRAGMA shrink_memory")  # what memory pressure does to the cache
+        store._conn.execute("PRAGMA shrink_memory")  # what memory pressure does to the cache
         with log.open("a") as f:
             f.write("".join(LINE.format(m=i // 60 % 60, s=i % 60, i=i) for i in range(3001, 4001)))
         guard.start()

@@ -190,7 +190,7 @@ class Store:
 
     def __init__(self, path: Path, conn: sqlite3.Connection, *, readonly: bool) -> None:
         self.path = path
-        self.conn = conn
+        self._conn = conn
         self.readonly = readonly
         self._in_tx = False
         self.lock: WriterLock | None = None
@@ -281,34 +281,34 @@ class Store:
         return store
 
     def _migrate(self) -> None:
-        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise StoreError(
                 f"{self.path}: written by a newer nanwatch (schema {version} > {SCHEMA_VERSION}); "
                 "upgrade nanwatch"
             )
         for number in range(version, SCHEMA_VERSION):
-            self.conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("BEGIN IMMEDIATE")
             try:
                 step = MIGRATIONS[number]
                 if callable(step):
-                    step(self.conn)
+                    step(self._conn)
                 else:
                     for statement in _split(step):
-                        self.conn.execute(statement)
-                self.conn.execute(f"PRAGMA user_version={number + 1}")
-                self.conn.execute("COMMIT")
+                        self._conn.execute(statement)
+                self._conn.execute(f"PRAGMA user_version={number + 1}")
+                self._conn.execute("COMMIT")
             except BaseException:
-                self.conn.execute("ROLLBACK")
+                self._conn.execute("ROLLBACK")
                 raise
 
     def close(self) -> None:
         try:
             if not self.readonly:
-                self.conn.execute("PRAGMA optimize")
+                self._conn.execute("PRAGMA optimize")
         except sqlite3.Error:
             pass
-        self.conn.close()
+        self._conn.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -320,7 +320,7 @@ class Store:
             yield
             return
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
             raise _explain(self.path, e) from None
         self._in_tx = True
@@ -329,7 +329,7 @@ class Store:
         except BaseException as e:
             self._in_tx = False
             try:
-                self.conn.execute("ROLLBACK")
+                self._conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
             if isinstance(e, sqlite3.Error):
@@ -337,24 +337,24 @@ class Store:
             raise
         self._in_tx = False
         try:
-            self.conn.execute("COMMIT")
+            self._conn.execute("COMMIT")
         except sqlite3.Error as e:
             try:
-                self.conn.execute("ROLLBACK")
+                self._conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
             raise _explain(self.path, e) from None
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> sqlite3.Cursor:
         try:
-            return self.conn.execute(sql, params)
+            return self._conn.execute(sql, params)
         except sqlite3.Error as e:
             raise _explain(self.path, e) from None
 
     # -- meta ------------------------------------------------------------------------------------
 
     def meta_get(self, key: str, default: str | None = None) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return row[0] if row else default
 
     def meta_set(self, key: str, value: str) -> None:
@@ -376,7 +376,7 @@ class Store:
         node: str | None = None,
         job: str | None = None,
     ) -> int:
-        row = self.conn.execute(
+        row = self._conn.execute(
             "SELECT id FROM runs WHERE root=? AND launch=?", (root, launch)
         ).fetchone()
         if row:
@@ -386,14 +386,14 @@ class Store:
             # (a launcher's banner on the captured stdout) went to the PATH's own run; that run
             # becomes this launch's run instead of being split from it. (msprobe relaunches are
             # different: there the PATH's own run is the first launch.)
-            only = self.conn.execute(
+            only = self._conn.execute(
                 "SELECT id FROM runs WHERE root=? AND launch='' AND NOT EXISTS "
                 "(SELECT 1 FROM runs r2 WHERE r2.root=? AND r2.launch != '')",
                 (root, root),
             ).fetchone()
             if only:
                 with self.transaction():
-                    taken = self.conn.execute(
+                    taken = self._conn.execute(
                         "SELECT 1 FROM runs WHERE name=? AND id != ?", (name, only[0])
                     ).fetchone()
                     self.execute(
@@ -404,7 +404,7 @@ class Store:
                 return int(only[0])
         base, n = name, 1
         with self.transaction():
-            while self.conn.execute("SELECT 1 FROM runs WHERE name=?", (name,)).fetchone():
+            while self._conn.execute("SELECT 1 FROM runs WHERE name=?", (name,)).fetchone():
                 n += 1
                 name = f"{base}~{n}"
             cur = self.execute(
@@ -415,11 +415,11 @@ class Store:
         return int(cur.lastrowid or 0)
 
     def run_by_name(self, name: str) -> dict[str, Any] | None:
-        row = self.conn.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone()
+        row = self._conn.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone()
         return self._row(row, "runs") if row else None
 
     def update_run_facts(self, run_id: int, facts: Mapping[str, Any]) -> None:
-        row = self.conn.execute("SELECT facts FROM runs WHERE id=?", (run_id,)).fetchone()
+        row = self._conn.execute("SELECT facts FROM runs WHERE id=?", (run_id,)).fetchone()
         current = json.loads(row[0]) if row and row[0] else {}
         merged = _deep_merge(current, facts)
         self.execute("UPDATE runs SET facts=? WHERE id=?", (json.dumps(merged), run_id))
@@ -441,7 +441,7 @@ class Store:
     # -- sources ---------------------------------------------------------------------------------
 
     def load_sources(self) -> list[dict[str, Any]]:
-        rows = self.conn.execute(
+        rows = self._conn.execute(
             # other nodes' files (a merged database) are history, never followed here
             "SELECT * FROM sources WHERE status IN ('active', 'truncated', 'rotated') AND node = ''"
         ).fetchall()
@@ -485,7 +485,7 @@ class Store:
                     now,
                 ),
             )
-            row = self.conn.execute(
+            row = self._conn.execute(
                 "SELECT id FROM sources WHERE dev=? AND ino=? AND gen=? AND node=''",
                 (rec.dev, rec.ino, rec.gen),
             ).fetchone()
@@ -530,7 +530,7 @@ class Store:
 
     def next_gen(self, dev: int, ino: int) -> int:
         """The next generation number for a file identity (inodes are reused)."""
-        row = self.conn.execute(
+        row = self._conn.execute(
             "SELECT max(gen) FROM sources WHERE dev = ? AND ino = ? AND node = ''", (dev, ino)
         ).fetchone()
         return 0 if row is None or row[0] is None else int(row[0]) + 1
@@ -570,14 +570,14 @@ class Store:
         ]
         if not rows:
             return 0
-        before = self.conn.total_changes
-        self.conn.executemany(
+        before = self._conn.total_changes
+        self._conn.executemany(
             "INSERT OR IGNORE INTO events(kind, time, ingested_at, run_id, source_id, offset, key, "
             "line, rank, local_rank, node, epoch, iter, step, stage, device, message, fields) "
             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             rows,
         )
-        return self.conn.total_changes - before
+        return self._conn.total_changes - before
 
     def insert_metrics(
         self, run_id: int | None, source_id: int | None, metrics: Iterable[tuple[Any, ...]]
@@ -597,11 +597,11 @@ class Store:
         return Metrics(self).insert_columns(run_id, source_id, columns)
 
     def max_event_id(self) -> int:
-        row = self.conn.execute("SELECT max(id) FROM events").fetchone()
+        row = self._conn.execute("SELECT max(id) FROM events").fetchone()
         return int(row[0] or 0)
 
     def events_after(self, last_id: int, limit: int = 100000) -> list[dict[str, Any]]:
-        rows = self.conn.execute(
+        rows = self._conn.execute(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last_id, limit)
         ).fetchall()
         return [self._event(r) for r in rows]
@@ -612,7 +612,7 @@ class Store:
         """Delete incidents resolved before ``before`` (RFC 3339), their outbox and messages."""
         ids = [
             r[0]
-            for r in self.conn.execute(
+            for r in self._conn.execute(
                 "SELECT id FROM incidents WHERE status = 'resolved' AND resolved_at < ? LIMIT ?",
                 (before, limit),
             )
@@ -636,7 +636,7 @@ class Store:
         the id, so no index on it is needed and a pass never reads the young part of the table.
         Events of incidents still present (open, or resolved recently) stay with them.
         """
-        rows = self.conn.execute(
+        rows = self._conn.execute(
             "SELECT e.id, e.ingested_at, i.id IS NOT NULL FROM events e "
             "LEFT JOIN incidents i ON i.id = e.incident_id WHERE e.id > ? ORDER BY e.id LIMIT ?",
             (after_id, limit),
@@ -651,7 +651,7 @@ class Store:
                 dead.append(int(rid))
         if dead:
             with self.transaction():
-                self.conn.executemany("DELETE FROM events WHERE id = ?", [(i,) for i in dead])
+                self._conn.executemany("DELETE FROM events WHERE id = ?", [(i,) for i in dead])
         return len(dead), nxt
 
     def expire_metrics(self, upto_id: int, *, limit: int = 64) -> int:
@@ -720,19 +720,19 @@ class Store:
 
     def vacuum_step(self, pages: int = 256) -> int:
         """Give up to ``pages`` free pages back to the filesystem (auto_vacuum=INCREMENTAL)."""
-        before = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        before = self._conn.execute("PRAGMA freelist_count").fetchone()[0]
         if not before:
             return 0
         # each step of this pragma frees one page: read it to the end
         self.execute(f"PRAGMA incremental_vacuum({int(pages)})").fetchall()
-        after = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        after = self._conn.execute("PRAGMA freelist_count").fetchone()[0]
         return int(before - after)
 
     def size_info(self) -> dict[str, int]:
         """Bytes: ``used`` (live pages), ``free`` (freelist), ``file`` and ``wal`` on disk."""
-        page = self.conn.execute("PRAGMA page_size").fetchone()[0]
-        count = self.conn.execute("PRAGMA page_count").fetchone()[0]
-        free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        page = self._conn.execute("PRAGMA page_size").fetchone()[0]
+        count = self._conn.execute("PRAGMA page_count").fetchone()[0]
+        free = self._conn.execute("PRAGMA freelist_count").fetchone()[0]
 
         def _size(p: Path) -> int:
             try:
@@ -745,13 +745,13 @@ class Store:
             "free": free * page,
             "file": _size(self.path),
             "wal": _size(Path(f"{self.path}-wal")),
-            "auto_vacuum": int(self.conn.execute("PRAGMA auto_vacuum").fetchone()[0]),
+            "auto_vacuum": int(self._conn.execute("PRAGMA auto_vacuum").fetchone()[0]),
         }
 
     # -- row helpers -----------------------------------------------------------------------------
 
     def _row(self, row: Sequence[Any], table: str) -> dict[str, Any]:
-        cols = [c[1] for c in self.conn.execute(f"PRAGMA table_info({table})").fetchall()]
+        cols = [c[1] for c in self._conn.execute(f"PRAGMA table_info({table})").fetchall()]
         return dict(zip(cols, row))
 
     @staticmethod

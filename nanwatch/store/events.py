@@ -91,7 +91,7 @@ class Events:
 
     def _select(self, where: str, params: Sequence[object]) -> list[StoredEvent]:
         sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE {where}"
-        return [StoredEvent.from_row(r) for r in self._store.conn.execute(sql, params).fetchall()]
+        return [StoredEvent.from_row(r) for r in self._store._conn.execute(sql, params).fetchall()]
 
     # -- single events and lists -----------------------------------------------------------------
 
@@ -128,7 +128,7 @@ class Events:
         return found[0] if found else None
 
     def run_has_kind(self, run_id: int, kind: str) -> bool:
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             "SELECT 1 FROM events WHERE run_id = ? AND kind = ? LIMIT 1", (run_id, kind)
         ).fetchone()
         return row is not None
@@ -145,7 +145,7 @@ class Events:
     # -- what an incident's events add up to -----------------------------------------------------
 
     def span(self, incident_id: int) -> Span:
-        conn = self._store.conn
+        conn = self._store._conn
         count, first, last = conn.execute(
             "SELECT count(*), min(time), max(time) FROM events WHERE incident_id = ?",
             (incident_id,),
@@ -159,20 +159,20 @@ class Events:
         )
 
     def ranks(self, incident_id: int) -> frozenset[int]:
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT DISTINCT rank FROM events WHERE incident_id = ? AND rank IS NOT NULL",
             (incident_id,),
         ).fetchall()
         return frozenset(r for (r,) in rows)
 
     def kinds(self, incident_id: int) -> list[str]:
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT DISTINCT kind FROM events WHERE incident_id = ?", (incident_id,)
         ).fetchall()
         return [k for (k,) in rows]
 
     def composition(self, incident_id: int) -> list[KindGroup]:
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT kind, rank, count(*), min(time), "
             "group_concat(DISTINCT json_extract(fields, '$.backend')), "
             "group_concat(DISTINCT json_extract(fields, '$.code')), "
@@ -191,7 +191,7 @@ class Events:
 
     def backends_and_codes(self, incident_id: int) -> list[tuple[str, JSON, JSON]]:
         """(kind, fields.backend, fields.code), distinct, over the incident's events."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT DISTINCT kind, json_extract(fields, '$.backend'), "
             "json_extract(fields, '$.code') FROM events WHERE incident_id = ?",
             (incident_id,),
@@ -201,7 +201,7 @@ class Events:
     def named_peers(self, incident_id: int) -> list[tuple[JSON, int | None]]:
         """(fields.remote_rank, rank) of the incident's communication failures that name the
         peer they waited for, in arrival order."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT json_extract(fields, '$.remote_rank'), rank FROM events WHERE incident_id = ? "
             "AND kind IN ('comm_timeout', 'comm_error') "
             "AND json_extract(fields, '$.remote_rank') IS NOT NULL ORDER BY id",
@@ -214,7 +214,7 @@ class Events:
     ) -> list[tuple[int, str | None, JSON, str]]:
         """(incident id, node, fields.pid, incident kind) of the run's process failures held
         by an open incident."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT e.incident_id, e.node, json_extract(e.fields, '$.pid'), i.kind "
             "FROM events e JOIN incidents i ON i.id = e.incident_id WHERE e.run_id IS ? "
             "AND e.kind = 'process_failure' AND i.status = 'open'",
@@ -225,7 +225,7 @@ class Events:
     def run_has_data_issue(self, run_id: int, *, except_reasons: Sequence[str]) -> bool:
         """A data issue in the run whose reason is none of ``except_reasons``."""
         marks = ", ".join("?" * len(except_reasons))
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             "SELECT 1 FROM events WHERE run_id IS ? AND kind = 'data_issue' AND "
             f"coalesce(json_extract(fields, '$.reason'), '') NOT IN ({marks}) LIMIT 1",
             (run_id, *except_reasons),
@@ -236,7 +236,7 @@ class Events:
         self, run_id: int, lo: int, hi: int, reasons: Sequence[str]
     ) -> list[SampleIssue]:
         """The run's unusable samples (``reasons``) in steps ``lo``..``hi``, one per sample."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT min(id), rank, epoch, iter, step, json_extract(fields, '$.reason') AS reason, "
             "json_extract(fields, '$.image'), json_extract(fields, '$.image_id'), min(time) "
             "FROM events WHERE run_id = ? AND kind = 'data_issue' AND step BETWEEN ? AND ? "
@@ -251,7 +251,7 @@ class Events:
     # -- tensor findings (the NaN origin) --------------------------------------------------------
 
     def first_tensor_step(self, incident_id: int) -> int | None:
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             f"SELECT min(step) FROM events WHERE incident_id=? AND step IS NOT NULL AND {_TENSOR}",
             (incident_id,),
         ).fetchone()
@@ -271,7 +271,7 @@ class Events:
         )
 
     def tensor_groups(self, incident_id: int) -> list[TensorGroup]:
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT step, json_extract(fields, '$.tag') AS tag, rank, count(*), "
             "max(coalesce(json_extract(fields, '$.sampled'), 0)) FROM events "
             f"WHERE incident_id=? AND step IS NOT NULL AND {_TENSOR} "
@@ -286,7 +286,7 @@ class Events:
     def activation_grads_monitored(self, run_id: int | None, incident_id: int) -> bool:
         """Did the run record activation gradients (msprobe's xy_distribution)? Its files say
         so, or one of the incident's findings is one."""
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             "SELECT 1 FROM sources WHERE run_id = ? AND "
             "(path LIKE '%/actv\\_grad\\_%' ESCAPE '\\' OR path LIKE '%/module\\_step%' "
             "ESCAPE '\\') LIMIT 1",
@@ -294,7 +294,7 @@ class Events:
         ).fetchone()
         if row is not None:
             return True
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             f"SELECT 1 FROM events WHERE incident_id=? AND {_TENSOR} AND fields LIKE "
             '\'%"tag":"actv_grad"%\' LIMIT 1',
             (incident_id,),
@@ -305,7 +305,7 @@ class Events:
         self, run_id: int | None, rank: int | None, step: int
     ) -> list[tuple[JSON, JSON, JSON]]:
         """(tensor, module, shape) of the empty tensors msprobe saw on a rank at a step."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT DISTINCT json_extract(fields, '$.tensor'), json_extract(fields, '$.module'), "
             "json_extract(fields, '$.shape') FROM events WHERE kind='data_issue' AND run_id = ? "
             'AND rank IS ? AND step=? AND fields LIKE \'%"reason":"empty tensor"%\' LIMIT 5',
@@ -325,7 +325,7 @@ class Events:
 
     def assign(self, incident_id: int, event_ids: Iterable[int]) -> None:
         """Attach events to an incident."""
-        self._store.conn.executemany(
+        self._store._conn.executemany(
             "UPDATE events SET incident_id=? WHERE id=?", [(incident_id, i) for i in event_ids]
         )
 
@@ -359,7 +359,7 @@ class MetricReads:
     ) -> list[tuple[str, int | None, int | None]]:
         """(name, highest step, highest epoch) that each later run of the experiment trained
         to (a step counts when its loss is finite), oldest run first."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT id, name FROM runs WHERE experiment = ? AND id > ? ORDER BY id",
             (experiment, run_id),
         ).fetchall()

@@ -376,7 +376,7 @@ class FleetStore:
 
     def _forward_incidents(self, local: Store, node: str) -> int:
         since = local.meta_get(INCIDENTS_AT, "") or ""
-        rows = local.conn.execute(
+        rows = local._conn.execute(
             "SELECT id, run_id, kind, title, status, version, first_time, last_time, event_count, "
             "resolved_at, updated_at FROM incidents WHERE updated_at >= ? ORDER BY updated_at",
             (since,),
@@ -610,13 +610,13 @@ class FleetStore:
 def waiting(local: Store) -> int:
     """Events this node committed that the fleet store has not confirmed yet."""
     upto = int(local.meta_get(FORWARDED_UPTO, "0") or 0)
-    row = local.conn.execute("SELECT count(*) FROM events WHERE id > ?", (upto,)).fetchone()
+    row = local._conn.execute("SELECT count(*) FROM events WHERE id > ?", (upto,)).fetchone()
     return int(row[0])
 
 
 def _local_events(local: Store, upto: int, batch: int) -> list[tuple[Any, ...]]:
     return list(
-        local.conn.execute(
+        local._conn.execute(
             "SELECT e.id, e.kind, e.time, e.ingested_at, e.offset, e.key, e.line, e.rank, "
             "e.local_rank, e.node, e.epoch, e.iter, e.step, e.stage, e.run_id, e.source_id, "
             "e.device, e.message, e.fields, e.incident_id, s.dev, s.ino, s.gen "
@@ -665,7 +665,7 @@ def _put_runs(cur: Any, local: Store, node: str, run_ids: set[int]) -> int:
     if not run_ids:
         return 0
     marks = ",".join("?" * len(run_ids))
-    rows = local.conn.execute(
+    rows = local._conn.execute(
         "SELECT id, name, root, launch, experiment, job, cluster_run, created_at, facts "
         f"FROM runs WHERE id IN ({marks})",
         sorted(run_ids),
@@ -685,7 +685,7 @@ def _put_sources(cur: Any, local: Store, node: str, source_ids: set[int]) -> Non
     if not source_ids:
         return
     marks = ",".join("?" * len(source_ids))
-    rows = local.conn.execute(
+    rows = local._conn.execute(
         f"SELECT id, run_id, path, root, dev, ino, gen FROM sources WHERE id IN ({marks})",
         sorted(source_ids),
     ).fetchall()
@@ -812,7 +812,7 @@ def _work_source(work: Store, node: str, run_id: int | None, src: Mapping[str, J
         "run_id = coalesce(excluded.run_id, run_id)",
         (run_id, src["path"], src["root"], src["dev"], src["ino"], src["gen"], now, now, node),
     )
-    row = work.conn.execute(
+    row = work._conn.execute(
         "SELECT id FROM sources WHERE dev = ? AND ino = ? AND gen = ? AND node = ?",
         (src["dev"], src["ino"], src["gen"], node),
     ).fetchone()
@@ -822,7 +822,7 @@ def _work_source(work: Store, node: str, run_id: int | None, src: Mapping[str, J
 def import_lifecycles(work: Store, rows: Sequence[tuple[str, int, str, str | None]]) -> None:
     """Node incidents' statuses, so a fleet incident resolves once all its node incidents did."""
     with work.transaction():
-        work.conn.executemany(
+        work._conn.executemany(
             "INSERT INTO merge_incidents(origin, src_id, status, resolved_at) VALUES (?,?,?,?) "
             "ON CONFLICT(origin, src_id) DO UPDATE SET status = excluded.status, "
             "resolved_at = excluded.resolved_at",
@@ -835,7 +835,7 @@ def work_members(work: Store, incident_ids: Sequence[int]) -> list[tuple[str, in
     if not incident_ids:
         return []
     marks = ",".join("?" * len(incident_ids))
-    rows = work.conn.execute(
+    rows = work._conn.execute(
         "SELECT DISTINCT me.origin, me.src_incident, e.incident_id FROM events e "
         "JOIN merge_events me ON me.event_id = e.id "
         f"WHERE e.incident_id IN ({marks}) AND me.src_incident IS NOT NULL",

@@ -124,7 +124,7 @@ class Incidents:
 
     def _select(self, where: str, params: Sequence[object] = ()) -> list[Incident]:
         sql = f"SELECT {INCIDENT_COLUMNS} FROM incidents WHERE {where}"
-        return [incident_from_row(r) for r in self._store.conn.execute(sql, params).fetchall()]
+        return [incident_from_row(r) for r in self._store._conn.execute(sql, params).fetchall()]
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class Incidents:
 
     def open_comm_ids(self, run_id: int | None) -> list[int]:
         """The run's open communication incidents (any backend)."""
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             "SELECT id FROM incidents WHERE run_id IS ? AND key LIKE 'comm:%' AND status = 'open'",
             (run_id,),
         )
@@ -157,7 +157,7 @@ class Incidents:
     def open_nan_last_steps(self) -> list[tuple[Incident, int | None]]:
         """Open NaN incidents with the highest step among their events."""
         cols = ", ".join(f"i.{c.strip()}" for c in INCIDENT_COLUMNS.split(","))
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             f"SELECT {cols}, (SELECT max(step) FROM events e WHERE e.incident_id = i.id) "
             "FROM incidents i WHERE i.status = 'open' AND i.kind = 'nan'"
         ).fetchall()
@@ -166,7 +166,7 @@ class Incidents:
     def open_in_experiments(self) -> list[tuple[Incident, str]]:
         """Open incidents of runs that belong to an experiment, with its name."""
         cols = ", ".join(f"i.{c.strip()}" for c in INCIDENT_COLUMNS.split(","))
-        rows = self._store.conn.execute(
+        rows = self._store._conn.execute(
             f"SELECT {cols}, r.experiment FROM incidents i JOIN runs r ON r.id = i.run_id "
             "WHERE i.status = 'open' AND r.experiment IS NOT NULL"
         ).fetchall()
@@ -176,12 +176,12 @@ class Incidents:
         return self._select("status = 'open' AND updated_at < ?", (cutoff,))
 
     def newest_id(self) -> int | None:
-        row = self._store.conn.execute("SELECT max(id) FROM incidents").fetchone()
+        row = self._store._conn.execute("SELECT max(id) FROM incidents").fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
     def run(self, run_id: int | None) -> Run | None:
         """The incident's run (its name, experiment, facts, work_dir)."""
-        row = self._store.conn.execute(
+        row = self._store._conn.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs WHERE id IS ?", (run_id,)
         ).fetchone()
         if row is None:

@@ -64,7 +64,7 @@ def merge_database(out: Store, src: Store, *, path: str) -> MergeReport:
     fallback_node = Path(path).stem
     report = MergeReport(path=path, origin=origin)
     # one read transaction: a node database still being written stays consistent (WAL)
-    src.conn.execute("BEGIN")
+    src._conn.execute("BEGIN")
     try:
         with out.transaction():
             runs, run_nodes = _runs(out, src, fallback_node, report)
@@ -81,7 +81,7 @@ def merge_database(out: Store, src: Store, *, path: str) -> MergeReport:
                 (origin, ",".join(report.nodes) or None, path, now, now, report.events),
             )
     finally:
-        src.conn.execute("COMMIT")
+        src._conn.execute("COMMIT")
     return report
 
 
@@ -90,7 +90,7 @@ def _runs(
 ) -> tuple[dict[int, int], dict[int, str]]:
     mapping: dict[int, int] = {}
     nodes: dict[int, str] = {}
-    rows = src.conn.execute(
+    rows = src._conn.execute(
         "SELECT id, name, root, launch, experiment, job, cluster_run, node, created_at, facts "
         "FROM runs ORDER BY id"
     ).fetchall()
@@ -129,7 +129,7 @@ def _sources(
     report: MergeReport,
 ) -> dict[int, int]:
     mapping: dict[int, int] = {}
-    rows = src.conn.execute(
+    rows = src._conn.execute(
         "SELECT id, run_id, path, root, dev, ino, gen, offset, head_hash, head_len, tail_hash, "
         "lines_cut, status, created_at, updated_at, node FROM sources ORDER BY id"
     ).fetchall()
@@ -147,7 +147,7 @@ def _sources(
             (runs.get(run_id), path, root, dev, ino, gen, offset, head_hash, head_len,
              tail_hash, lines_cut, status, created, updated, node),
         )  # fmt: skip
-        row = out.conn.execute(
+        row = out._conn.execute(
             "SELECT id FROM sources WHERE dev = ? AND ino = ? AND gen = ? AND node = ?",
             (dev, ino, gen, node),
         ).fetchone()
@@ -166,17 +166,17 @@ def _events(
     fallback_node: str,
     report: MergeReport,
 ) -> None:
-    last = out.conn.execute(
+    last = out._conn.execute(
         "SELECT coalesce(max(src_id), 0) FROM merge_events WHERE origin = ?", (origin,)
     ).fetchone()[0]
-    cur = src.conn.execute(
+    cur = src._conn.execute(
         f"SELECT id, incident_id, {_EVENT_COLS} FROM events WHERE id > ? ORDER BY id", (last,)
     )
     while True:
         rows = cur.fetchmany(BATCH)
         if not rows:
             return
-        base = int(out.conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
+        base = int(out._conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
         batch: list[tuple[Any, ...]] = []
         links: list[tuple[int, str, int, Any]] = []
         for src_id, incident, *cols in rows:
@@ -191,15 +191,15 @@ def _events(
             links.append((dst, origin, src_id, incident))
         if not batch:
             continue
-        out.conn.executemany(
+        out._conn.executemany(
             f"INSERT OR IGNORE INTO events(id, {_EVENT_COLS}) "
             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             batch,
         )
         # a row already here under another origin (the same node via a merged database too)
         # was ignored: only the rows that went in are linked to this origin
-        kept = {r[0] for r in out.conn.execute("SELECT id FROM events WHERE id > ?", (base,))}
-        out.conn.executemany(
+        kept = {r[0] for r in out._conn.execute("SELECT id FROM events WHERE id > ?", (base,))}
+        out._conn.executemany(
             "INSERT OR IGNORE INTO merge_events(event_id, origin, src_id, src_incident) "
             "VALUES (?,?,?,?)",
             [link for link in links if link[0] in kept],
@@ -215,7 +215,7 @@ def _metrics(
     sources: dict[int, int],
     report: MergeReport,
 ) -> None:
-    row = out.conn.execute(
+    row = out._conn.execute(
         "SELECT metrics_upto FROM merge_origins WHERE origin = ?", (origin,)
     ).fetchone()
     last = int(row[0]) if row else 0
@@ -238,8 +238,8 @@ def _metrics(
 
 def _incidents(out: Store, src: Store, origin: str) -> None:
     """Each node incident's lifecycle, for :func:`carry_over_resolutions`."""
-    rows = src.conn.execute("SELECT id, status, resolved_at FROM incidents").fetchall()
-    out.conn.executemany(
+    rows = src._conn.execute("SELECT id, status, resolved_at FROM incidents").fetchall()
+    out._conn.executemany(
         "INSERT INTO merge_incidents(origin, src_id, status, resolved_at) VALUES (?,?,?,?) "
         "ON CONFLICT(origin, src_id) DO UPDATE SET status = excluded.status, "
         "resolved_at = excluded.resolved_at",
@@ -251,7 +251,7 @@ def carry_over_resolutions(out: Store) -> list[tuple[int, int]]:
     """Resolve open fleet incidents whose events all come from node incidents that are resolved
     on their node (an incident merged into another one follows that one: its events moved).
     Returns (incident id, new version) of those resolved."""
-    rows = out.conn.execute(
+    rows = out._conn.execute(
         "SELECT i.id, i.version, i.detail, "
         "(SELECT max(mi.resolved_at) FROM events e JOIN merge_events me ON me.event_id = e.id "
         " JOIN merge_incidents mi ON mi.origin = me.origin AND mi.src_id = me.src_incident "

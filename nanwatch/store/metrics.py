@@ -313,7 +313,7 @@ class Metrics:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._conn = store.conn
+        self._conn = store._conn
 
     @classmethod
     def reading(cls, conn: sqlite3.Connection) -> Metrics:

@@ -156,7 +156,7 @@ class OutboxStore:
         ]
         if not values:
             return 0
-        conn = self.store.conn
+        conn = self.store._conn
         before = conn.total_changes
         with self.store.transaction():
             conn.executemany(_INSERT, values)

@@ -32,7 +32,7 @@ class Sources:
 
     def load(self) -> list[Source]:
         """Every source a restart follows again (active, or a twin for rotated copies)."""
-        rows = self.store.conn.execute(
+        rows = self.store._conn.execute(
             f"SELECT {_COLUMNS} FROM sources WHERE status IN {_FOLLOWED} AND node = ''"
         ).fetchall()
         return [
@@ -84,7 +84,7 @@ class Sources:
                     now,
                 ),
             )
-            row = self.store.conn.execute(
+            row = self.store._conn.execute(
                 "SELECT id FROM sources WHERE dev=? AND ino=? AND gen=? AND node=''",
                 (src.dev, src.ino, src.gen),
             ).fetchone()
@@ -141,7 +141,7 @@ class Sources:
 
     def next_gen(self, dev: int, ino: int) -> int:
         """The next generation number for a file identity (inodes are reused)."""
-        row = self.store.conn.execute(
+        row = self.store._conn.execute(
             "SELECT max(gen) FROM sources WHERE dev = ? AND ino = ? AND node = ''", (dev, ino)
         ).fetchone()
         return 0 if row is None or row[0] is None else int(row[0]) + 1
@@ -154,7 +154,7 @@ class SourceRuns:
         self.store = store
 
     def get(self, run_id: int) -> Run | None:
-        row = self.store.conn.execute(
+        row = self.store._conn.execute(
             "SELECT id, name, root, launch, experiment, job, node, created_at, first_time, "
             "last_time, facts, cluster_run FROM runs WHERE id = ?",
             (run_id,),
