@@ -260,13 +260,20 @@ def _rows(s: dict[str, Any]) -> Iterator[Row]:
         fl = s["fleet"]
         n = fl["nodes"]
         yield Row(
-            f"fleet: events forwarded per node into PostgreSQL ({n} nodes, "
-            f"{fl['events']:,} events)",
+            f"fleet: one forward per node into PostgreSQL ({n} nodes, {fl['events']:,} events)",
             f"{fl['forward_events_per_s']:,} events/s",
             "",
             None,
             "fleet/forward_events_per_s",
             fl["forward_events_per_s"],
+        )
+        yield Row(
+            f"fleet: a node's backlog of {fl['bulk_forward_events']:,} events forwarded",
+            f"{fl['bulk_forward_events_per_s']:,} events/s",
+            "",
+            None,
+            "fleet/bulk_forward_events_per_s",
+            fl["bulk_forward_events_per_s"],
         )
         yield Row(
             f"fleet: last node's events in -> fleet incident with its root ({n} nodes)",
