@@ -5,13 +5,21 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ._common import EXIT_UNFIXABLE, config_option, emit_json, handle_errors, json_option
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..correlate.fleet import SilentNode
+    from ..notify.outbox import Sink
+    from ..store import Store
+    from ..store.fleet import FleetStore
+    from ..store.records import JSON
 
 # incidents whose cause may still arrive from another node: held for [fleet] hold before the
 # first notification, so a late root absorbs them instead of following them
@@ -22,11 +30,11 @@ class _Held:
     """A sink whose first message of an incident waits ``hold`` seconds (see SYMPTOM_KINDS:
     the outbox row of a symptom that a root absorbs in the meantime is then never sent)."""
 
-    def __init__(self, sink: Any, hold: float) -> None:
+    def __init__(self, sink: Sink, hold: float) -> None:
         self._sink = sink
         self._hold = hold
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the wrapped sink's attributes, whatever they are
         return getattr(self._sink, name)
 
     def delay(self, action: str) -> float:
@@ -108,7 +116,7 @@ def fleet(config_path: Path | None, as_json: bool, once: bool, interval: float) 
         knowledge=Knowledge.load(config.knowledge.dirs, cann_version=config.knowledge.cann_version),
     )
     cycles = FleetCorrelator(fleet_store, work, correlator)
-    summary: dict[str, Any] = {"waited_for_lock": waited, "cycles": 0, "pulled": 0}
+    summary: dict[str, JSON] = {"waited_for_lock": waited, "cycles": 0, "pulled": 0}
     last_silent: set[str] = set()
     try:
         while True:
@@ -163,14 +171,14 @@ def _env_config() -> str | None:
     return os.environ.get("NANWATCH_CONFIG") or None
 
 
-def _default_state(config: Any) -> Path:
+def _default_state(config: Config) -> Path:
     from ..config import default_db_path
 
     base = Path(config.db) if config.db else default_db_path()
     return base.with_name("fleet-state.db")
 
 
-def _take_lock(fleet_store: Any, stop: threading.Event, interval: float) -> bool:
+def _take_lock(fleet_store: FleetStore, stop: threading.Event, interval: float) -> bool:
     """The advisory lock; while another instance holds it, wait (say so once)."""
     waited = False
     while not fleet_store.try_lock():
@@ -186,7 +194,7 @@ class _reader:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Store:
         from ..store import Store
 
         self.store = Store.open(self.path, readonly=True)
@@ -196,7 +204,7 @@ class _reader:
         self.store.close()
 
 
-def _open_symptoms(work: Any) -> list[int]:
+def _open_symptoms(work: Store) -> list[int]:
     from ..query import list_incidents
 
     return [
@@ -205,13 +213,12 @@ def _open_symptoms(work: Any) -> list[int]:
 
 
 def _publish(
-    fleet_store: Any,
-    work: Any,
+    fleet_store: FleetStore,
+    work: Store,
     ids: Sequence[int],
-    silent: Mapping[str, Any],
+    silent: Mapping[str, SilentNode],
     *,
     now: float,
-    story: Callable[..., Any] | None = None,
 ) -> None:
     """The touched fleet incidents, as documents readers get from the fleet store."""
     from ..query import incident_dict, show_incident
