@@ -101,7 +101,6 @@ RUNTIME = (
     "click",
     "regex",
     "ahocorasick_rs",
-    "sqlite_utils",
     "watchdog",
     "slack_sdk",
     "prometheus_client",
