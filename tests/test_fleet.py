@@ -438,3 +438,43 @@ def test_the_fleet_notifies_once_with_the_root_and_holds_its_symptoms(
         # run again: nothing new to tell (re-sends are Alertmanager's repeat, not ours)
         nanwatch("fleet", "--once", "--config", str(cfg))
         assert {a["labels"]["kind"] for a in am.alerts()} == {"oom"}
+
+
+def test_the_first_nan_is_the_first_across_every_node(dsn: str, tmp_path: Path) -> None:
+    """Rank 45 (node-05) logs a NaN first; one logged iteration later every rank of every node
+    does. Each node alone would name its own first rank; the fleet names rank 45, once."""
+    from nanwatch.config import ClusterConfig, Config
+    from nanwatch.daemon.pipeline import Pipeline
+    from nanwatch.demo.simulate import TrainingRun
+    from nanwatch.store import Store
+
+    from .cluster_logs import EXPERIMENT, STAMP, torchrun_log
+
+    run = TrainingRun(
+        tmp_path / "staging" / EXPERIMENT, timestamp=STAMP, ranks=NODES * PER_NODE, epochs=2,
+        iters=20, log_interval=5, nan_rank=45, nan_at=(1, 10), seed=5,
+    )  # fmt: skip
+    run.write()
+    dbs = {}
+    for n in range(NODES):
+        node = f"node-{n:02d}"
+        launch = tmp_path / node / "work_dirs" / EXPERIMENT / STAMP
+        launch.mkdir(parents=True)
+        (launch / "torchrun.log").write_text(torchrun_log(n, NODES, PER_NODE))
+        for r in range(n * PER_NODE, (n + 1) * PER_NODE):
+            shutil.copy(run.rank_path(r), launch / f"rank{r}.log")
+        dbs[node] = tmp_path / f"{node}-scanned.db"
+        store = Store.open(dbs[node])
+        try:
+            Pipeline(Config(cluster=ClusterConfig(node=node)), store, [str(launch.parent)]).scan()
+        finally:
+            store.close()
+    for node in dbs:
+        forward_copy(dbs, node, tmp_path, dsn, now=1000.0)
+    out = json.loads(
+        nanwatch("fleet", "--once", "--json", "--config", str(fleet_config(tmp_path, dsn))).stdout
+    )
+    (inc,) = [i for i in out["incidents"] if i["kind"] == "nan"]
+    assert inc["origin"]["rank"] == 45
+    assert sorted(inc["ranks"]) == list(range(NODES * PER_NODE))
+    assert len(inc["title"]) < 300

@@ -120,6 +120,23 @@ def test_a_32_node_fleet_names_the_rank_that_ran_out_of_memory(
     assert sorted(inc["detail"]["symptom_ranks"]) == [r for r in range(256) if r != OOM_RANK]
 
 
+def test_a_fleet_incident_fits_slack_whatever_the_fleet_size(
+    fleet_dbs: list[Path], tmp_path: Path
+) -> None:
+    """256 ranks on 32 nodes: the parent stays within 800 visible characters and every text
+    block within Slack's limits (3,000 per section, 40,000 per message)."""
+    from nanwatch.notify.slack_text import details_text, headline, parent_blocks, visible_chars
+
+    merge(tmp_path / "fleet.db", *fleet_dbs)
+    story = json.loads(nanwatch("show", "1", "--json", "--db", str(tmp_path / "fleet.db")).stdout)
+    blocks = parent_blocks(story, first_line="E39999: " + "x" * 5000)
+    assert visible_chars(blocks) <= 800
+    assert len(json.dumps(blocks)) < 40_000
+    details = details_text(story, first_line="E39999: " + "x" * 5000)
+    assert len(details) <= 3000 and len(headline(story)) <= 3000
+    assert "255 other ranks on 32 nodes" in headline(story)
+
+
 def test_merging_again_adds_nothing(node_dbs: dict[str, Path], tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.db"
     merge(fleet, node_dbs["node-a"], node_dbs["node-b"])
