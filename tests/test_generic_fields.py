@@ -125,3 +125,79 @@ def test_finite_bracketed_values_and_settings_stay_quiet() -> None:
         feed([_LOGURU + "[R0] E6 iter[ 15/ 15] | [Loss] 2.31 | [lr] 1.0e-04 | [step] 105 |"]) == []
     )
     assert feed(["[clip] inf | [max_norm] inf | [patience] inf"]) == []
+
+
+# --- Ascend stream timeouts and HCCL link set-up -------------------------------------------------
+
+
+def _comm(lines: list[str]) -> list[tuple[object, ...]]:
+    return [(e.kind, e.rank, e.fields.get("backend"), e.fields.get("code")) for e in feed(lines)]
+
+
+def test_a_stream_synchronize_timeout_is_a_collective_timeout() -> None:
+    lines = [
+        "[rank4]: RuntimeError: npuSynchronizeUsedDevices:torch_npu/csrc/core/npu/"
+        "NPUFunctions.cpp:112 NPU function error: AclrtSynchronizeDeviceWithTimeout, "
+        "error code is 507046",
+        "[rank4]: [ERROR] 2026-05-04-10:20:30 (PID:5521, Device:4, RankID:4) ERR00100 PTA call "
+        "acl api failed",
+        "[rank4]: EE1002: [PID: 5521] 2026-05-04-10:20:30.101.220 Stream synchronize timeout, "
+        "device_id=4, stream_id=3, timeout=1800000ms",
+    ]
+    assert [c[:3] for c in _comm(lines)] == [("comm_timeout", 4, "hccl")]
+
+
+def test_a_cann_stream_timeout_report_alone_is_one_too() -> None:
+    lines = [
+        "EE1002: [PID: 771] 2026-05-04-10:20:30.101.220 Stream synchronize timeout, device_id=0, "
+        "stream_id=2, timeout=1800000ms",
+        "        rtDeviceSynchronize execute failed, reason=[stream sync timeout]",
+    ]
+    assert _comm(lines) == [("comm_timeout", None, "hccl", "EE1002")]
+
+
+def test_an_hccl_link_failure_in_a_worker_block_is_the_workers_comm_error() -> None:
+    head = "(VllmWorker rank=2 pid=611) ERROR 05-04 10:21:00 [multiproc_executor.py:470] "
+    lines = [
+        head + "WorkerProc failed to start.",
+        head + "RuntimeError: [HCCL] Transport init error. Reason: [Create][DestLink]Create Dest "
+        "error! peer rank: 6, local ip 10.0.0.2, remote ip 10.0.0.6",
+        head + "    while building the link of group tp_0",
+    ]
+    events = feed(lines)
+    assert [(e.kind, e.rank, e.fields.get("peer_rank")) for e in events] == [("comm_error", 2, "6")]
+
+
+def test_a_link_timeout_naming_hccl_and_its_settings() -> None:
+    line = "[W] [HCCL] socket connect timed out after 120s, peer rank: 7"
+    assert _comm([line]) == [("comm_error", None, "hccl", None)]
+    assert feed(["export HCCL_CONNECT_TIMEOUT=1200 HCCL_EXEC_TIMEOUT=1800"]) == []
+
+
+# --- the stage and epoch a failure happened in ---------------------------------------------------
+
+
+def _crash(before: list[str], frame: str, entry: str = "/code/main.py") -> list[str]:
+    return [
+        *before,
+        "Traceback (most recent call last):",
+        f'  File "{entry}", line 88, in <module>',
+        "    main()",
+        f'  File "/code/loop.py", line 141, in {frame}',
+        "    out = model(batch)",
+        "ValueError: batch has no labels",
+    ]
+
+
+def _where(lines: list[str]) -> list[tuple[object, ...]]:
+    return [(e.kind, e.stage, e.epoch) for e in feed(lines)]
+
+
+def test_a_failure_in_a_test_step_after_an_epoch_line_has_both() -> None:
+    lines = _crash(["epoch 5 done, starting test"], "test_step")
+    assert _where(lines) == [("process_failure", "test", 5)]
+
+
+def test_an_epoch_of_so_many_at_the_head_of_a_line_fills_the_epoch() -> None:
+    lines = _crash(["[3/100] step 40 loss 1.20"], "fit")
+    assert _where(lines) == [("process_failure", "train", 3)]
