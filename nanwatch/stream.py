@@ -77,6 +77,9 @@ class StreamState:
     # the last value of each counter a `rising` rule reads ("rule id:rank" -> value); replaced,
     # never mutated in place
     counters: dict[str, int] | None = None
+    # loss-scale overflow notices in a row, by rank ("?" unknown): [notices, first scale, last
+    # scale, last line, reported]; replaced, never mutated in place
+    overflow_runs: dict[str, list[Any]] | None = None
 
     def follow_step(self, step_given: bool) -> None:
         """Epoch-based loops print the iteration within the epoch; the global step follows:

@@ -61,6 +61,20 @@ _TRAIN_LINE = re.compile(
     r"(?i)^(?=[^\n]{0,2000}?\bloss\b['\"]?[ \t]{0,3}[:=])[^\n]{0,2000}?(?<![\w.])"
     r"(?:lr|learning[ _]rate)['\"]?[ \t]{0,3}[:=][ \t]{0,3}['\"]?[-+]?\.?\d"
 )
+# ... or it prints a loss and a step or iteration counter, and no evaluation word
+_STEP_LINE = re.compile(
+    r"(?i)^(?![^\n]{0,2000}?(?<![\w])(?:val|valid|validation|eval|evaluat\w*|test(?:ing)?)(?![a-z]))"
+    r"(?=[^\n]{0,2000}?(?<![\w])\[?loss\b(?:['\"]?[ \t]{0,3}[:=]|\][ \t]{0,3}[:=]?))"
+    r"[^\n]{0,2000}?(?<![\w.])\[?(?:step|iter(?:ation)?)\b\]?['\"]?[ \t]{0,3}[:=\[]?[ \t]{0,3}\d"
+)
+# A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
+# "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
+_LINE_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
+_LINE_EPOCH = re.compile(
+    r"(?<![\w.])(?:E(\d{1,5})(?=[ \t]+(?:iter|step|it)\b)"
+    r"|[Ee]poch[ \t]{0,2}:?[ \t]{0,2}\[?[ \t]{0,2}(\d{1,5})\b(?![.\d]))"
+)
+_LINE_STEP = re.compile(r"\[(?:step|Step|STEP|global_step)\][ \t]{0,3}[:=]?[ \t]{0,3}(\d{1,12})\b")
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
 
@@ -692,6 +706,10 @@ class Detector:
                 ev = risen
             if f.trace is not None:
                 f.trace.add(rule.id)
+            if ev.kind == "overflow" and ev.fields.get("incident") is False:
+                cascade = _cascade(ev, state, line_no)
+                if cascade is not None:
+                    f.events.append(cascade)  # its own event: the quiet notices fold together
             if rule.alone:
                 f.events.append(ev)
             else:
@@ -929,6 +947,9 @@ class Detector:
         elif state.last_time:
             # tracebacks rarely carry a time: remember the stream's last one for correlation
             fields["stream_time"] = state.last_time
+        if rule.kind == "nan":
+            for k, v in _metric_line_fields(text).items():
+                attrs.setdefault(k, v)
         stage = attrs.get("stage")
         own_rank = prefix_attrs.get("rank", attrs.get("rank"))
         if (
@@ -943,7 +964,7 @@ class Detector:
             state.hint_stage = None
         if stage is None and not _other_rank(state.stage_rank, own_rank):
             stage = state.stage
-        if stage is None and _TRAIN_LINE.search(text):
+        if stage is None and (_TRAIN_LINE.search(text) or _STEP_LINE.search(text)):
             stage = "train"  # the event's own line is a training step's (it prints a learning rate)
         rank = prefix_attrs.get("rank", attrs.get("rank"))
         if rank is not None and state.hint_rank_once and state.hint_rank == rank:
@@ -996,6 +1017,59 @@ class Detector:
             device=device,
             fields={"rule": rule.id, **fields},
         )
+
+
+def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
+    """The overflow ``ev`` as an incident when it makes its rank's run of notices with no
+    iteration line between (and no scale that grew again) long or steep enough: one skipped
+    step is how a dynamic scale finds its level, a scale halved step after step is a run that
+    no longer trains. Returned once per run."""
+    key = "?" if ev.rank is None else str(ev.rank)
+    runs = state.overflow_runs or {}
+    scale = ev.fields.get("loss_scale")
+    scale = float(scale) if isinstance(scale, (int, float)) else None
+    attempted = ev.fields.get("attempted_scale")
+    run = runs.get(key)
+    if run is not None and (
+        run[3] < state.progress_line
+        or (scale is not None and run[2] is not None and scale > run[2])
+    ):
+        run = None  # a step trained in between, or the scale grew back: a new run
+    if run is None:
+        first = float(attempted) if isinstance(attempted, (int, float)) else scale
+        run = [0, first, None, line_no, False]
+    notices = int(run[0]) + 1
+    first = run[1] if run[1] is not None else scale
+    last = scale if scale is not None else run[2]
+    fallen = first is not None and last is not None and last > 0 and first / last >= _CASCADE_FALL
+    due = not run[4] and (notices >= _CASCADE_NOTICES or fallen)
+    if key in runs or len(runs) < 4096:
+        state.overflow_runs = {**runs, key: [notices, first, last, line_no, bool(run[4]) or due]}
+    if not due:
+        return None
+    fields = {**ev.fields, "incident": True, "consecutive_overflows": notices}
+    if first is not None:
+        fields["first_loss_scale"] = first
+    message = f"{notices} loss-scale overflows in a row" + (
+        f", scale {first:g} -> {last:g}: training is not progressing"
+        if first is not None and last is not None
+        else ": training is not progressing"
+    )
+    return dataclasses.replace(ev, message=message, fields=fields)
+
+
+_CASCADE_NOTICES = 4  # skipped steps in a row, no step trained between
+_CASCADE_FALL = 2.0**4  # the scale's fall from where the run started
+
+
+def _metric_line_fields(text: str) -> dict[str, int]:
+    """The rank, epoch and step a metric line prints in the bracketed style, when it does."""
+    out: dict[str, int] = {}
+    for name, pattern in (("rank", _LINE_RANK), ("epoch", _LINE_EPOCH), ("step", _LINE_STEP)):
+        m = pattern.search(text)
+        if m is not None:
+            out[name] = int(next(g for g in m.groups() if g is not None))
+    return out
 
 
 def _reporter_pid(text: str) -> int | None:
