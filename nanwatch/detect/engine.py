@@ -1042,7 +1042,11 @@ def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
     first = run[1] if run[1] is not None else scale
     last = scale if scale is not None else run[2]
     fallen = first is not None and last is not None and last > 0 and first / last >= _CASCADE_FALL
-    due = not run[4] and (notices >= _CASCADE_NOTICES or fallen)
+    # before the stream's first iteration line, a dynamic scale halving from its initial value
+    # (2**16 and more in DeepSpeed, apex and torch) is the scaler calibrating, not a failure:
+    # at start-up only a fall below a level training settles above counts
+    warming_up = state.progress_line == 0 and (last is None or last > _CASCADE_WARMUP_FLOOR)
+    due = not run[4] and not warming_up and (notices >= _CASCADE_NOTICES or fallen)
     if key in runs or len(runs) < 4096:
         state.overflow_runs = {**runs, key: [notices, first, last, line_no, bool(run[4]) or due]}
     if not due:
@@ -1060,6 +1064,7 @@ def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
 
 _CASCADE_NOTICES = 4  # skipped steps in a row, no step trained between
 _CASCADE_FALL = 2.0**4  # the scale's fall from where the run started
+_CASCADE_WARMUP_FLOOR = 2.0**10  # start-up calibration ends above this in healthy fp16 runs
 
 
 def _metric_line_fields(text: str) -> dict[str, int]:

@@ -48,14 +48,31 @@ def test_a_lone_overflow_stays_quiet() -> None:
     assert [e.fields.get("incident") for e in events] == [False]
 
 
+STEP = "epoch 1 iter 40/500 loss: 2.113 lr: 1.0e-04"
+
+
 def test_overflows_in_a_row_with_a_halving_scale_are_an_incident() -> None:
-    events = feed([_ds(1 << 20), _ds(1 << 19), _ds(1 << 18), _ds(1 << 17)])
+    events = feed([STEP, _ds(1 << 20), _ds(1 << 19), _ds(1 << 18), _ds(1 << 17)])
     assert _cascades(events) == [4]
     assert [e.rank for e in events if e.fields.get("incident") is not False] == [0]
 
 
+def test_the_scaler_calibrating_at_start_up_stays_quiet() -> None:
+    """DeepSpeed starts at 2**32 (apex and torch at 2**16) and halves until a step fits: a
+    run of notices before the first iteration line is the scaler finding its level."""
+    warm_up = [_ds(1 << s) for s in range(31, 23, -1)]
+    assert _cascades(feed(warm_up)) == []
+    assert _cascades(feed([_ds(1 << 15), _ds(1 << 14), _ds(1 << 13), _ds(1 << 12)])) == []
+
+
+def test_a_start_up_fall_below_a_settled_level_is_an_incident() -> None:
+    lines = [_ds(1 << s) for s in range(15, 6, -1)]  # 32768 down to 128
+    assert _cascades(feed(lines)) == [6]  # at 1024, the sixth notice
+
+
 def test_a_scale_fallen_sixteenfold_is_an_incident_whatever_the_wording() -> None:
     lines = [
+        STEP,
         "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 65536.0",
         "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 16384.0",
         "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 4096.0",
@@ -64,13 +81,12 @@ def test_a_scale_fallen_sixteenfold_is_an_incident_whatever_the_wording() -> Non
 
 
 def test_the_hysteresis_wording_counts_in_the_run() -> None:
-    lines = [_hysteresis(), _hysteresis(), _ds(2048), _ds(1024)]
+    lines = [STEP, _hysteresis(), _hysteresis(), _ds(2048), _ds(1024)]
     assert _cascades(feed(lines)) == [4]
 
 
 def test_a_step_between_or_another_rank_breaks_the_run() -> None:
-    step = "epoch 1 iter 40/500 loss: 2.113 lr: 1.0e-04"
-    lines = [_ds(1 << 20), _ds(1 << 19), step, _ds(1 << 18), _ds(1 << 17, rank=1)]
+    lines = [STEP, _ds(1 << 20), _ds(1 << 19), STEP, _ds(1 << 18), _ds(1 << 17, rank=1)]
     assert _cascades(feed(lines)) == []
 
 
@@ -81,7 +97,7 @@ def test_a_scale_that_grew_again_starts_a_new_run() -> None:
 
 def test_the_run_survives_the_state_round_trip() -> None:
     st = StreamState()
-    feed([_ds(1 << 20), _ds(1 << 19), _ds(1 << 18)], st)
+    feed([STEP, _ds(1 << 20), _ds(1 << 19), _ds(1 << 18)], st)
     st = StreamState.from_json(st.to_json())
     assert _cascades(feed([_ds(1 << 17)], st)) == [4]
 
