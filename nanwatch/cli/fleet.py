@@ -227,6 +227,7 @@ def _publish(
     if not ids:
         return
     docs = []
+    hosts = fleet_store.hosts()
     for iid in ids:
         doc = incident_dict(work, iid)
         full = show_incident(work, iid, max_events=200)
@@ -238,5 +239,11 @@ def _publish(
                 for s in silent.values()
             ]
             full["silent_nodes"] = doc["silent_nodes"]
+        # where each node of the story runs: its timeline names nodes, people log in to hosts
+        full["hosts"] = {
+            n: hosts[n]
+            for n in sorted({str(t.get("node")) for t in full.get("timeline") or []})
+            if n in hosts
+        }
         docs.append((doc, full))
     fleet_store.publish(docs, work_members(work, [int(d["id"]) for d, _ in docs]), now=now)

@@ -485,6 +485,12 @@ class FleetStore:
             cur.execute("SELECT node, src_id, status, resolved_at FROM node_incidents")
             return [(str(a), int(b), str(c), d) for a, b, c, d in cur.fetchall()]
 
+    def hosts(self) -> dict[str, str]:
+        """node -> the host its daemon forwards from."""
+        with self._tx() as cur:
+            cur.execute("SELECT node, host FROM nodes WHERE host IS NOT NULL")
+            return {str(a): str(b) for a, b in cur.fetchall()}
+
     def nodes(self) -> list[tuple[str, str | None, float, float, int]]:
         """(node, host, last_seen, heartbeat, events) of every node that ever forwarded."""
         with self._tx() as cur:
@@ -576,10 +582,12 @@ class FleetStore:
             where.append("e.node = %s")
             params.append(node)
         sql = (
-            "SELECT e.id, e.kind, e.time, e.node, e.host, e.rank, e.local_rank, e.epoch, e.iter, "
-            "e.step, e.stage, e.device, e.message, e.fields, r.name, s.path, e.line "
-            "FROM events e LEFT JOIN runs r ON r.node = e.node AND r.src_id = e.run_src "
+            # host: the machine the node's daemon forwarded from
+            "SELECT e.id, e.kind, e.time, e.node, coalesce(n.host, e.host), e.rank, e.local_rank, "
+            "e.epoch, e.iter, e.step, e.stage, e.device, e.message, e.fields, r.name, s.path, "
+            "e.line FROM events e LEFT JOIN runs r ON r.node = e.node AND r.src_id = e.run_src "
             "LEFT JOIN sources s ON s.node = e.node AND s.src_id = e.source_src "
+            "LEFT JOIN nodes n ON n.node = e.node "
             f"WHERE {' AND '.join(where)} ORDER BY e.id"
         )
         keys = ("id", "kind", "time", "node", "host", "rank", "local_rank", "epoch", "iter",

@@ -178,6 +178,7 @@ def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
     assert f"Node incidents merged into it ({NODES})" in story
     shown = json.loads(nanwatch("show", str(inc["id"]), "--db", dsn, "--json", env=env).stdout)
     assert {m["node"] for m in shown["node_incidents"]} == set(logs)
+    assert set(shown["hosts"]) == set(logs)  # every node of the story, with its host
     (oom,) = [
         json.loads(x)
         for x in nanwatch(
@@ -189,6 +190,7 @@ def test_eight_nodes_forward_and_the_fleet_names_the_oom_rank(
         OOM_RANK % PER_NODE,
         "node-01",
     )
+    assert oom["host"]  # the machine node-01's daemon forwarded from
     runs = [
         json.loads(x) for x in nanwatch("runs", "--db", dsn, "--json", env=env).stdout.splitlines()
     ]
