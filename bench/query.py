@@ -82,11 +82,11 @@ def _copy(conn: sqlite3.Connection, copies: int) -> None:
     """``copies`` more of everything, with ids (and unique names) shifted per copy."""
     top = {
         t: conn.execute(f"SELECT coalesce(max(id), 0) FROM {t}").fetchone()[0]
-        for t in ("runs", "sources", "events", "metrics", "incidents")
+        for t in ("runs", "sources", "events", "metric_blocks", "incidents")
     }
     cols = {
         t: [r[1] for r in conn.execute(f"PRAGMA table_info({t})")]
-        for t in ("runs", "sources", "events", "metrics", "incidents")
+        for t in ("runs", "sources", "events", "metric_blocks", "incidents")
     }
 
     def shifted(table: str, k: int, changes: dict[str, str]) -> str:
@@ -146,9 +146,9 @@ def _copy(conn: sqlite3.Connection, copies: int) -> None:
         )
         conn.execute(
             shifted(
-                "metrics",
+                "metric_blocks",
                 k,
-                {"id": f"id + {k * top['metrics']}", "run_id": run, "source_id": src},
+                {"id": f"id + {k * top['metric_blocks']}", "run_id": run, "source_id": src},
             )
         )
     conn.execute("COMMIT")
