@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from .store.reads import Readable, Reads, as_store
-from .store.records import JSON, EventRow, IncidentRow, RunSummary, TimelineRow
+from .store.records import JSON, EventRow, Incident, IncidentRow, Run, RunSummary, TimelineRow
 from .store.runs import Runs
 
 Doc = dict[str, JSON]  # one JSON object of the CLI's output
@@ -42,44 +42,49 @@ def event_doc(row: EventRow) -> Doc:
     }
 
 
-def incident_doc(row: IncidentRow) -> Doc:
-    i, run = row.incident, row.run
-    info = dict(i.detail)
+def incident_view(inc: Incident, run: Run | None) -> dict[str, JSON]:
+    """The incident's JSON form (a mapping of JSON values: what renderers format)."""
+    detail = dict(inc.detail)
     node = run.node if run else None
     # where its events were read: one node, or several in a merged database
-    nodes = info.get("nodes") or ([node] if node else [])
+    nodes = detail.get("nodes") or ([node] if node else [])
     return {
-        "id": i.id,
-        "kind": i.kind,
-        "title": i.title,
-        "status": i.status,
+        "id": inc.id,
+        "kind": inc.kind,
+        "title": inc.title,
+        "status": inc.status,
         "run": run.name if run else None,
         "experiment": run.experiment if run else None,
-        "ranks": list(i.ranks),
-        "first_time": i.first_time,
-        "last_time": i.last_time,
-        "event_count": i.event_count,
-        "origin": dict(i.origin),
-        "hints": list(i.hints),
-        "severity": i.severity,
-        "detail": info,
-        "created_at": i.created_at,
-        "updated_at": i.updated_at,
-        "resolved_at": i.resolved_at,
-        "version": i.version,
+        "ranks": list(inc.ranks),
+        "first_time": inc.first_time,
+        "last_time": inc.last_time,
+        "event_count": inc.event_count,
+        "origin": dict(inc.origin),
+        "hints": list(inc.hints),
+        "severity": inc.severity,
+        "detail": detail,
+        "created_at": inc.created_at,
+        "updated_at": inc.updated_at,
+        "resolved_at": inc.resolved_at,
+        "version": inc.version,
         "node": node,
         "job": run.job if run else None,
         "cluster_run": run.cluster_run if run else None,
         "nodes": sorted(str(n) for n in nodes),
         # people's part: `nanwatch ack` / `nanwatch resolve` (None until someone does)
-        "acked_by": i.acked_by,
-        "acked_at": i.acked_at,
-        "ack_note": i.ack_note,
-        "resolved_by": i.resolved_by,
-        "resolve_note": i.resolve_note,
+        "acked_by": inc.acked_by,
+        "acked_at": inc.acked_at,
+        "ack_note": inc.ack_note,
+        "resolved_by": inc.resolved_by,
+        "resolve_note": inc.resolve_note,
         # why it was resolved: the person's note, or what nanwatch saw
-        "resolution": i.resolve_note if i.resolved_by else info.get("resolution"),
+        "resolution": inc.resolve_note if inc.resolved_by else detail.get("resolution"),
     }
+
+
+def incident_doc(row: IncidentRow) -> Doc:
+    """The incident's JSON form: the one the renderers and sinks get too."""
+    return incident_view(row.incident, row.run)
 
 
 def timeline_doc(t: TimelineRow) -> Doc:

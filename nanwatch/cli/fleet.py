@@ -222,7 +222,7 @@ def _publish(
 ) -> None:
     """The touched fleet incidents, as documents readers get from the fleet store."""
     from ..query import incident_dict, show_incident
-    from ..store.fleet import work_members
+    from ..store.fleet_work import work_members
 
     if not ids:
         return

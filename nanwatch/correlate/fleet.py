@@ -16,12 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..store.db import Store
-from ..store.fleet import (
-    FleetStore,
-    import_events,
-    import_lifecycles,
-    pulled_upto,
-)
+from ..store.fleet import FleetStore
+from ..store.fleet_work import import_events, import_lifecycles, pulled_upto
 from ..store.merge import carry_over_resolutions
 from .incidents import Change, Correlator
 

@@ -357,12 +357,8 @@ class Pipeline:
         rules: RuleSet | None = None,
         sinks: Sequence[Sink] | None = None,
     ) -> None:
-        """Swap config, sources, rules and sinks between passes (SIGHUP), keeping every offset.
-
-        Files still covered by a source keep their records (offsets, stream context, run);
-        files no longer covered are closed but stay active in the store, so adding them back
-        resumes where they stopped; files of new sources resume from their stored offsets.
-        """
+        """Swap config, sources, rules and sinks between passes (SIGHUP), keeping every offset
+        (``Passes.reconfigure`` says what happens to each file)."""
         roots = make_roots(list(paths), must_exist=not self.live)
         self.passes.reconfigure(config, roots, rules=rules, sinks=sinks)
         self._reconfigured = True

@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..events import now_utc
 from .db import Store
-from .records import JSON, Incident, Run, loads
+from .records import INCIDENT_COLUMNS, JSON, RUN_COLUMNS, Incident, Run, columns
 
 __all__ = [
     "INCIDENT_COLUMNS",
@@ -24,18 +23,7 @@ __all__ = [
     "Incidents",
     "NewIncident",
     "StatusChange",
-    "incident_from_row",
 ]
-
-INCIDENT_COLUMNS = (
-    "id, run_id, kind, key, title, status, severity, ranks, first_time, last_time, event_count, "
-    "origin, hints, detail, root_event_id, version, created_at, updated_at, resolved_at, "
-    "acked_by, acked_at, ack_note, resolved_by, resolve_note"
-)
-_RUN_COLUMNS = (
-    "id, name, root, launch, experiment, job, node, created_at, first_time, last_time, facts, "
-    "cluster_run"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,39 +71,6 @@ def _dumps(value: object) -> str:
     return json.dumps(value)
 
 
-def incident_from_row(row: Sequence[Any]) -> Incident:
-    """From a row selected with ``INCIDENT_COLUMNS`` in that order."""
-    (iid, run_id, kind, key, title, status, severity, ranks, first, last, count, origin, hints,
-     detail, root_event_id, version, created, updated, resolved, acked_by, acked_at, ack_note,
-     resolved_by, resolve_note) = row  # fmt: skip
-    return Incident(
-        id=int(iid),
-        run_id=run_id,
-        kind=str(kind),
-        key=str(key),
-        title=str(title),
-        status=str(status),
-        severity=str(severity),
-        ranks=tuple(loads(ranks, [])),
-        first_time=first,
-        last_time=last,
-        event_count=int(count or 0),
-        origin=loads(origin, {}),
-        hints=tuple(loads(hints, [])),
-        detail=loads(detail, {}),
-        root_event_id=root_event_id,
-        version=int(version or 0),
-        created_at=str(created),
-        updated_at=str(updated),
-        resolved_at=resolved,
-        acked_by=acked_by,
-        acked_at=acked_at,
-        ack_note=ack_note,
-        resolved_by=resolved_by,
-        resolve_note=resolve_note,
-    )
-
-
 class Incidents:
     """The ``incidents`` table for the correlate stage (in the writer's transaction)."""
 
@@ -124,7 +79,7 @@ class Incidents:
 
     def _select(self, where: str, params: Sequence[object] = ()) -> list[Incident]:
         sql = f"SELECT {INCIDENT_COLUMNS} FROM incidents WHERE {where}"
-        return [incident_from_row(r) for r in self._store._conn.execute(sql, params).fetchall()]
+        return [Incident.from_row(r) for r in self._store._conn.execute(sql, params).fetchall()]
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -156,21 +111,21 @@ class Incidents:
 
     def open_nan_last_steps(self) -> list[tuple[Incident, int | None]]:
         """Open NaN incidents with the highest step among their events."""
-        cols = ", ".join(f"i.{c.strip()}" for c in INCIDENT_COLUMNS.split(","))
+        cols = columns(INCIDENT_COLUMNS, "i")
         rows = self._store._conn.execute(
             f"SELECT {cols}, (SELECT max(step) FROM events e WHERE e.incident_id = i.id) "
             "FROM incidents i WHERE i.status = 'open' AND i.kind = 'nan'"
         ).fetchall()
-        return [(incident_from_row(r[:-1]), r[-1]) for r in rows]
+        return [(Incident.from_row(r[:-1]), r[-1]) for r in rows]
 
     def open_in_experiments(self) -> list[tuple[Incident, str]]:
         """Open incidents of runs that belong to an experiment, with its name."""
-        cols = ", ".join(f"i.{c.strip()}" for c in INCIDENT_COLUMNS.split(","))
+        cols = columns(INCIDENT_COLUMNS, "i")
         rows = self._store._conn.execute(
             f"SELECT {cols}, r.experiment FROM incidents i JOIN runs r ON r.id = i.run_id "
             "WHERE i.status = 'open' AND r.experiment IS NOT NULL"
         ).fetchall()
-        return [(incident_from_row(r[:-1]), str(r[-1])) for r in rows]
+        return [(Incident.from_row(r[:-1]), str(r[-1])) for r in rows]
 
     def open_updated_before(self, cutoff: str) -> list[Incident]:
         return self._select("status = 'open' AND updated_at < ?", (cutoff,))
@@ -182,26 +137,11 @@ class Incidents:
     def run(self, run_id: int | None) -> Run | None:
         """The incident's run (its name, experiment, facts, work_dir)."""
         row = self._store._conn.execute(
-            f"SELECT {_RUN_COLUMNS} FROM runs WHERE id IS ?", (run_id,)
+            f"SELECT {RUN_COLUMNS} FROM runs WHERE id IS ?", (run_id,)
         ).fetchone()
         if row is None:
             return None
-        (rid, name, root, launch, experiment, job, node, created, first, last, facts,
-         cluster_run) = row  # fmt: skip
-        return Run(
-            id=int(rid),
-            name=str(name),
-            root=str(root),
-            launch=str(launch or ""),
-            experiment=experiment,
-            job=job,
-            node=node,
-            created_at=str(created),
-            first_time=first,
-            last_time=last,
-            facts=loads(facts, {}),
-            cluster_run=cluster_run,
-        )
+        return Run.from_row(row)
 
     # -- writes ----------------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from .db import Store
 from .records import (
+    INCIDENT_COLUMNS,
+    RUN_COLUMNS,
     EventPlace,
     Incident,
     Message,
@@ -44,15 +46,6 @@ _INSERT = (
 )
 _MESSAGE = "incident_id, sink, channel, ts, thread_ts, posted_at, updated_at"
 _SILENCE = "id, run, kind, until, created_at, comment"
-_INCIDENT = (
-    "id, run_id, kind, key, title, status, severity, ranks, first_time, last_time, event_count, "
-    "origin, hints, detail, root_event_id, version, created_at, updated_at, resolved_at, "
-    "acked_by, acked_at, ack_note, resolved_by, resolve_note"
-)
-_RUN = (
-    "id, name, root, launch, experiment, job, node, created_at, first_time, last_time, facts, "
-    "cluster_run"
-)
 
 
 def _outbox_row(row: Sequence[Any]) -> OutboxRow:
@@ -80,56 +73,6 @@ def _message(row: Sequence[Any]) -> Message:
 def _silence(row: Sequence[Any]) -> Silence:
     sid, run, kind, until, created, comment = row
     return Silence(int(sid), run, kind, float(until), str(created), comment)
-
-
-def _incident(row: Sequence[Any]) -> Incident:
-    (iid, run_id, kind, key, title, status, severity, ranks, first, last, count, origin, hints,
-     detail, root, version, created, updated, resolved, acked_by, acked_at, ack_note,
-     resolved_by, resolve_note) = row  # fmt: skip
-    return Incident(
-        id=int(iid),
-        run_id=run_id,
-        kind=str(kind),
-        key=str(key),
-        title=str(title),
-        status=str(status),
-        severity=str(severity),
-        ranks=tuple(loads(ranks, [])),
-        first_time=first,
-        last_time=last,
-        event_count=int(count),
-        origin=loads(origin, {}),
-        hints=tuple(loads(hints, [])),
-        detail=loads(detail, {}),
-        root_event_id=root,
-        version=int(version),
-        created_at=str(created),
-        updated_at=str(updated),
-        resolved_at=resolved,
-        acked_by=acked_by,
-        acked_at=acked_at,
-        ack_note=ack_note,
-        resolved_by=resolved_by,
-        resolve_note=resolve_note,
-    )
-
-
-def _run(row: Sequence[Any]) -> Run:
-    rid, name, root, launch, experiment, job, node, created, first, last, facts, cluster = row
-    return Run(
-        id=int(rid),
-        name=str(name),
-        root=str(root),
-        launch=str(launch or ""),
-        experiment=experiment,
-        job=job,
-        node=node,
-        created_at=str(created),
-        first_time=first,
-        last_time=last,
-        facts=loads(facts, {}),
-        cluster_run=cluster,
-    )
 
 
 class OutboxStore:
@@ -392,15 +335,17 @@ class OutboxStore:
     def incident(self, incident_id: int) -> tuple[Incident, Run | None] | None:
         """An incident and its run (None: removed by retention meanwhile)."""
         row = self.store.execute(
-            f"SELECT {_INCIDENT} FROM incidents WHERE id = ?", (incident_id,)
+            f"SELECT {INCIDENT_COLUMNS} FROM incidents WHERE id = ?", (incident_id,)
         ).fetchone()
         if row is None:
             return None
-        inc = _incident(row)
+        inc = Incident.from_row(row)
         if inc.run_id is None:
             return inc, None
-        run = self.store.execute(f"SELECT {_RUN} FROM runs WHERE id = ?", (inc.run_id,)).fetchone()
-        return inc, _run(run) if run else None
+        run = self.store.execute(
+            f"SELECT {RUN_COLUMNS} FROM runs WHERE id = ?", (inc.run_id,)
+        ).fetchone()
+        return inc, Run.from_row(run) if run else None
 
     def event_place(self, event_id: int) -> EventPlace | None:
         """The source file, line and offset an event was read from."""

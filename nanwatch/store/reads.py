@@ -19,70 +19,36 @@ from .records import (
     FileHealth,
     Incident,
     IncidentRow,
+    Run,
     StoredEvent,
     TimelineRow,
-    loads,
+    columns,
 )
-from .runs import RUN_COLUMNS, run_from_row
+from .records import (
+    INCIDENT_COLUMNS as INCIDENT_ROW,
+)
+from .runs import RUN_COLUMNS
 
 _EVENT_SELECT = (
     "SELECT "
-    + ", ".join(f"e.{c.strip()}" for c in EVENT_COLUMNS.split(","))
+    + columns(EVENT_COLUMNS, "e")
     + ", r.name, s.path FROM events e LEFT JOIN runs r ON r.id = e.run_id "
     "LEFT JOIN sources s ON s.id = e.source_id"
 )
 _NEVENT = len(EVENT_COLUMNS.split(","))
 
-INCIDENT_COLUMNS = (
-    "i.id, i.run_id, i.kind, i.key, i.title, i.status, i.severity, i.ranks, i.first_time, "
-    "i.last_time, i.event_count, i.origin, i.hints, i.detail, i.root_event_id, i.version, "
-    "i.created_at, i.updated_at, i.resolved_at, i.acked_by, i.acked_at, i.ack_note, "
-    "i.resolved_by, i.resolve_note"
-)
+INCIDENT_COLUMNS = columns(INCIDENT_ROW, "i")
 _NINCIDENT = len(INCIDENT_COLUMNS.split(","))
 _INCIDENT_SELECT = (
     f"SELECT {INCIDENT_COLUMNS}, {RUN_COLUMNS} FROM incidents i LEFT JOIN runs r ON r.id = i.run_id"
 )
 
 
-def incident_from_row(row: Sequence[Any]) -> Incident:
-    """From a row selected with ``INCIDENT_COLUMNS`` in that order."""
-    (id_, run_id, kind, key, title, status, severity, ranks, first, last, count, origin, hints,
-     detail, root, version, created, updated, resolved, acked_by, acked_at, ack_note,
-     resolved_by, resolve_note) = row  # fmt: skip
-    return Incident(
-        id=int(id_),
-        run_id=run_id,
-        kind=str(kind),
-        key=str(key),
-        title=str(title),
-        status=str(status),
-        severity=str(severity),
-        ranks=tuple(loads(ranks, [])),
-        first_time=first,
-        last_time=last,
-        event_count=int(count or 0),
-        origin=loads(origin, {}),
-        hints=tuple(loads(hints, [])),
-        detail=loads(detail, {}),
-        root_event_id=root,
-        version=int(version),
-        created_at=str(created),
-        updated_at=str(updated),
-        resolved_at=resolved,
-        acked_by=acked_by,
-        acked_at=acked_at,
-        ack_note=ack_note,
-        resolved_by=resolved_by,
-        resolve_note=resolve_note,
-    )
-
-
 def _incident_row(row: Sequence[Any]) -> IncidentRow:
     run = row[_NINCIDENT:]
     return IncidentRow(
-        incident=incident_from_row(row[:_NINCIDENT]),
-        run=run_from_row(run) if run[0] is not None else None,
+        incident=Incident.from_row(row[:_NINCIDENT]),
+        run=Run.from_row(run) if run[0] is not None else None,
     )
 
 

@@ -18,7 +18,9 @@ JSON = Any  # a decoded JSON value: its shape is the rule pack's or the knowledg
 
 __all__ = [
     "EVENT_COLUMNS",
+    "INCIDENT_COLUMNS",
     "JSON",
+    "RUN_COLUMNS",
     "EventPlace",
     "EventRow",
     "FileHealth",
@@ -36,6 +38,7 @@ __all__ = [
     "Source",
     "StoredEvent",
     "TimelineRow",
+    "columns",
     "loads",
 ]
 
@@ -110,6 +113,22 @@ class StoredEvent:
         )
 
 
+RUN_COLUMNS = (
+    "id, name, root, launch, experiment, job, node, created_at, first_time, last_time, facts, "
+    "cluster_run"
+)
+INCIDENT_COLUMNS = (
+    "id, run_id, kind, key, title, status, severity, ranks, first_time, last_time, event_count, "
+    "origin, hints, detail, root_event_id, version, created_at, updated_at, resolved_at, "
+    "acked_by, acked_at, ack_note, resolved_by, resolve_note"
+)
+
+
+def columns(names: str, alias: str) -> str:
+    """``names`` (one of the ``*_COLUMNS`` lists) qualified by a table alias for joins."""
+    return ", ".join(f"{alias}.{c.strip()}" for c in names.split(","))
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """One launch of a training job on this node (the ``runs`` table)."""
@@ -126,6 +145,26 @@ class Run:
     last_time: str | None
     facts: Mapping[str, JSON] = field(default_factory=dict)
     cluster_run: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Run:
+        """From a row selected with ``RUN_COLUMNS`` in that order."""
+        (id_, name, root, launch, experiment, job, node, created, first, last, facts,
+         cluster_run) = row  # fmt: skip
+        return cls(
+            id=int(id_),
+            name=str(name),
+            root=str(root),
+            launch=str(launch or ""),
+            experiment=experiment,
+            job=job,
+            node=node,
+            created_at=str(created),
+            first_time=first,
+            last_time=last,
+            facts=loads(facts, {}),
+            cluster_run=cluster_run,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +195,39 @@ class Incident:
     ack_note: str | None = None
     resolved_by: str | None = None
     resolve_note: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Incident:
+        """From a row selected with ``INCIDENT_COLUMNS`` in that order."""
+        (id_, run_id, kind, key, title, status, severity, ranks, first, last, count, origin,
+         hints, detail, root, version, created, updated, resolved, acked_by, acked_at, ack_note,
+         resolved_by, resolve_note) = row  # fmt: skip
+        return cls(
+            id=int(id_),
+            run_id=run_id,
+            kind=str(kind),
+            key=str(key),
+            title=str(title),
+            status=str(status),
+            severity=str(severity),
+            ranks=tuple(loads(ranks, [])),
+            first_time=first,
+            last_time=last,
+            event_count=int(count or 0),
+            origin=loads(origin, {}),
+            hints=tuple(loads(hints, [])),
+            detail=loads(detail, {}),
+            root_event_id=root,
+            version=int(version or 0),
+            created_at=str(created),
+            updated_at=str(updated),
+            resolved_at=resolved,
+            acked_by=acked_by,
+            acked_at=acked_at,
+            ack_note=ack_note,
+            resolved_by=resolved_by,
+            resolve_note=resolve_note,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from .db import Store
-from .records import JSON, Run, RunSummary, loads
+from .records import JSON, Run, RunSummary, columns, loads
+from .records import RUN_COLUMNS as RUN_ROW
 
-RUN_COLUMNS = (
-    "r.id, r.name, r.root, r.launch, r.experiment, r.job, r.node, r.created_at, r.first_time, "
-    "r.last_time, r.facts, r.cluster_run"
-)
-
-
-def run_from_row(row: Sequence[Any]) -> Run:
-    """From a row selected with ``RUN_COLUMNS`` in that order."""
-    (id_, name, root, launch, experiment, job, node, created, first, last, facts,
-     cluster_run) = row  # fmt: skip
-    return Run(
-        id=int(id_),
-        name=str(name),
-        root=str(root),
-        launch=str(launch or ""),
-        experiment=experiment,
-        job=job,
-        node=node,
-        created_at=str(created),
-        first_time=first,
-        last_time=last,
-        facts=loads(facts, {}),
-        cluster_run=cluster_run,
-    )
+RUN_COLUMNS = columns(RUN_ROW, "r")
 
 
 # what each run's rows count; its span from its events and metrics for databases written
@@ -73,7 +50,7 @@ class Runs:
         row = self.store.execute(
             f"SELECT {RUN_COLUMNS} FROM runs r WHERE r.name = ?", (name,)
         ).fetchone()
-        return run_from_row(row) if row else None
+        return Run.from_row(row) if row else None
 
     def facts(self, run_id: int) -> Mapping[str, JSON]:
         """What the run's logs said about it (versions, world size, launch ...); {} if none."""
@@ -85,7 +62,7 @@ class Runs:
         """Every run, oldest first, with its counts, status and span."""
         out = []
         for row in self.store.execute(_SUMMARY):
-            run = run_from_row(row[:12])
+            run = Run.from_row(row[:12])
             nsrc, nev, ninc, nopen, nodes, first_rows, last_rows = row[12:]
             out.append(
                 RunSummary(
