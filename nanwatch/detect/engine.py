@@ -26,6 +26,7 @@ from ..sources.dates import file_bound
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion
 from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
+from . import progress
 from .columns import ColumnFormat, MetricColumns, Rows
 from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
@@ -515,6 +516,10 @@ class Detector:
     def _open_record(state: StreamState, name: str, rank: Any, line_no: int) -> None:
         key = "?" if rank is None else str(rank)
         old = (state.records or {}).get(key)
+        if name.endswith("?"):  # only where no record is open
+            if old is not None and line_no - old[1] <= RECORD_LINES:
+                return
+            name = name[:-1]
         if old is not None and old[0] != name and line_no - old[1] <= 1:
             return  # the line before named this record ("Exception ignored in:")
         state.records = {**(state.records or {}), key: [name, line_no]}
@@ -947,9 +952,18 @@ class Detector:
         elif state.last_time:
             # tracebacks rarely carry a time: remember the stream's last one for correlation
             fields["stream_time"] = state.last_time
+        line_progress = None
         if rule.kind == "nan":
             for k, v in _metric_line_fields(text).items():
                 attrs.setdefault(k, v)
+            # the metric line's own counters and mode, read by its structure (progress.py)
+            line_progress = progress.read(text)
+            if line_progress is not None and state.progress_line != line_no:
+                # (a progress rule that read this very line knows its format better)
+                for k in ("epoch", "iter", "step", "rank"):
+                    v = getattr(line_progress, k)
+                    if v is not None:
+                        attrs.setdefault(k, v)
         stage = attrs.get("stage")
         own_rank = prefix_attrs.get("rank", attrs.get("rank"))
         if (
@@ -966,6 +980,27 @@ class Detector:
             stage = state.stage
         if stage is None and (_TRAIN_LINE.search(text) or _STEP_LINE.search(text)):
             stage = "train"  # the event's own line is a training step's (it prints a learning rate)
+        if stage is None and line_progress is not None:
+            stage = line_progress.stage
+        if (
+            state.epoch is None
+            and state.iter is None
+            and state.step is None
+            and not {"epoch", "iter", "step"} & attrs.keys()
+        ):
+            # a report with no counters of its own, in a stream no progress rule knew: the last
+            # logged step before it says where the run was (and in which mode)
+            floor, last = f.looked if f.looked is not None and f.looked[0] <= start else (0, None)
+            nearer = progress.before(f.chunk, start, floor=floor)
+            last = nearer or last
+            f.looked = (start, last)
+            if last is not None:
+                for k in ("epoch", "iter", "step"):
+                    v = getattr(last, k)
+                    if v is not None:
+                        attrs[k] = v
+                if stage is None:
+                    stage = last.stage
         rank = prefix_attrs.get("rank", attrs.get("rank"))
         if rank is not None and state.hint_rank_once and state.hint_rank == rank:
             state.hint_rank = None  # the record that lent its rank ended on its own line

@@ -40,6 +40,9 @@ class Feed:
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
     trace: set[str] | None = None  # ids of the rules that matched, when someone asks
     weak_stage: set[int] = field(default_factory=set)  # events staged by the entry script only
+    # the last look-back for a logged step (progress.before): up to where it read, what it found;
+    # the next one reads only the bytes after it, so a storm of reports costs one pass
+    looked: tuple[int, Any] | None = None
 
 
 def report(

@@ -66,7 +66,10 @@ Optional rule keys (all backward compatible):
   stage of the reports of other ranks printed just before, and it is weaker than a loop frame
   (``in val_step``), which it never replaces. A stage nothing names stays unknown (null).
 - ``opens = "<record>"`` on a context rule: the line opens a record of that name for its rank
-  (a Python traceback's ``Traceback (most recent call last):`` header); ``within = "<record>"``
+  (a Python traceback's ``Traceback (most recent call last):`` header); ``opens = "<record>?"``
+  opens it only when no record is open for the rank (a frame line of a traceback whose header
+  was cut off, which must not turn an ``Exception ignored in`` record into a failure);
+  ``within = "<record>"``
   on an event rule: the rule is only tried while such a record is open (the traceback's final
   exception line, whatever the exception). Any detection on an unindented line of that rank, an
   iteration line, or ``RECORD_LINES`` lines close it. A record opened on the line before is not
@@ -614,7 +617,8 @@ def _load_pack(
                 continue
             if rtype != want:
                 raise _fail(src, rid, f"`{key}` is only for {want} rules")
-            if not isinstance(val, str) or not val.isidentifier():
+            name = val[:-1] if key == "opens" and isinstance(val, str) and val[-1:] == "?" else val
+            if not isinstance(name, str) or not name.isidentifier():
                 raise _fail(src, rid, f'{key} must name a record, e.g. {key} = "traceback"')
         rising = raw.get("rising")
         if rising is not None:

@@ -1,0 +1,154 @@
+"""A metric line read by its structure, whatever the framework that printed it.
+
+Training loops print, every logged step, a line of ``key: value`` pairs: a loss, counters
+(epoch, iteration, step, a ``N/M`` position) and sometimes the mode. The packs name the common
+formats one by one (common.toml's progress rules); this reader is what is left when none of
+them knows the line: it finds
+
+- the loss: a key ending in ``loss`` with a number, ``nan`` or ``inf`` after it (``loss: 0.5``,
+  ``Loss nan``, ``'train_loss': 2.1``, ``loss/total=0.3``), never a loss scale;
+- the counters: ``epoch``/``iter``/``iteration``/``step``/``global step``/``batch`` followed by a
+  number (``Epoch 2/30``, ``iter 3010:``, ``[step] 104``, ``Global Step: 20``), and the bare
+  position of a progress bar (tqdm's ``431/788222 [29:28<...``, Keras' ``365/5427 [=>...``, a
+  bracket ``600 / 1000]``) as the iteration;
+- the stage: the mode words on the line (``Training:``, ``[Epoch 0 / Train]``, ``val loss``);
+  mode words that disagree (nanoGPT's ``train loss 4.03, val loss 4.04``) say nothing, and a
+  plain loss beside a counter with no mode word is a training step's (evaluation loops print
+  ``val_loss`` or name their mode).
+
+It reads one line and keeps nothing; the engine calls it on the lines of events only (a NaN
+metric's own line, and the lines before a failure report that has no counters of its own), so
+it costs nothing on lines that give no event.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .rules import normalize_stage
+
+LINE_MAX = 4000  # what is read of one line
+
+_LOSS = re.compile(
+    r"(?i)(?P<key>(?<![\w/.\-])[a-z_][\w/.\-]{0,60}?)?loss(?P<tail>[\w/.\-]{0,30}?)['\"]?\]?[ \t]{0,3}"
+    r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
+)
+_COUNTER = re.compile(
+    r"(?i)(?<![\w\-])(?P<key>epoch|ep|iteration|iter|step|global[ _]step|batch)s?\b['\"]?\]?"
+    r"[ \t]{0,3}[:=#]?[ \t]{0,3}[\[(]?[ \t]{0,3}(?P<n>\d{1,12})"
+    r"(?:[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12}))?(?![\d.])"
+)
+# a progress bar's position: tqdm's "431/788222 [29:28<...", Keras' "365/5427 [=>..." and a
+# closing bracket "[ 600 / 1000]"
+_POSITION = re.compile(
+    r"(?<![\w./:\-])(?P<n>\d{1,12})[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12})"
+    r"(?:[ \t]{1,3}\[(?=\d{1,4}:\d\d|[=>.\u2026 ])|[ \t]{0,2}\])"
+)
+_MODE = re.compile(
+    r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"
+    r"|test(?:ing)?)(?![\w.\-/])"
+)
+_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
+_KEY_STAGE = re.compile(r"(?i)^(train|val|valid|validation|eval|test|dev)(?:[_/.\-]|$)")
+
+
+@dataclass(frozen=True)
+class LineProgress:
+    """What one metric line says about where the run is."""
+
+    loss: bool  # the line prints a loss
+    stage: str | None = None
+    epoch: int | None = None
+    iter: int | None = None
+    step: int | None = None
+    rank: int | None = None
+
+    @property
+    def counted(self) -> bool:
+        return self.epoch is not None or self.iter is not None or self.step is not None
+
+
+def read(text: str) -> LineProgress | None:
+    """The progress ``text`` prints, or None when it prints neither a loss nor a counter."""
+    text = text[:LINE_MAX]
+    losses = [m for m in _LOSS.finditer(text) if "scal" not in (m.group("tail") or "").lower()]
+    epoch = it = step = None
+    taken: list[tuple[int, int]] = []  # the counters' spans: "Epoch [2/10]" is no position
+    for m in _COUNTER.finditer(text):
+        taken.append(m.span())
+        n, of = int(m.group("n")), m.group("of")
+        if of is not None and n > int(of):
+            continue  # "3/2" is not a position
+        key = m.group("key").lower()
+        if key in ("epoch", "ep"):
+            epoch = n if epoch is None else epoch
+        elif key in ("iter", "iteration", "batch"):
+            it = n if it is None else it
+        else:
+            step = n if step is None else step
+    if it is None:
+        for m in _POSITION.finditer(text):
+            if any(a < m.end() and m.start() < b for a, b in taken):
+                continue
+            n, of = int(m.group("n")), int(m.group("of"))
+            if 0 < of and n <= of:
+                it = n
+                break
+    if not losses and epoch is None and it is None and step is None:
+        return None
+    stages = {normalize_stage(w) for w in _MODE.findall(text)}
+    # a plain loss beside a val_loss is a training step that also reports its validation
+    # (Keras' epoch summary); only a line of qualified losses takes its mode from their keys
+    plain = any(not (m.group("key") or "").strip("_/.-") for m in losses)
+    if not plain:
+        for m in losses:
+            qualified = _KEY_STAGE.match((m.group("key") or "").lower())
+            if qualified:
+                stages.add(normalize_stage(qualified.group(1)))
+    stages.discard(None)
+    stage: str | None = None
+    if len(stages) == 1:
+        stage = stages.pop()
+    elif not stages and plain and (epoch is not None or it is not None or step is not None):
+        stage = "train"
+    rank_m = _RANK.search(text)
+    return LineProgress(
+        loss=bool(losses),
+        stage=stage,
+        epoch=epoch,
+        iter=it,
+        step=step,
+        rank=int(rank_m.group(1)) if rank_m else None,
+    )
+
+
+def before(
+    chunk: bytes, start: int, lines: int = 200, span: int = 32768, floor: int = 0
+) -> LineProgress | None:
+    """The nearest line before ``start`` in ``chunk`` that prints a loss beside a counter (the
+    last logged step before a failure report), looking back at most ``lines`` lines and
+    ``span`` bytes, none below ``floor``; the epoch may come from a line above it (Keras prints ``Epoch 3/10`` on a
+    line of its own)."""
+    lo = max(floor, start - span)
+    window = chunk[lo:start].decode("utf-8", "replace").split("\n")
+    if lo > floor or (lo > 0 and chunk[lo - 1 : lo] != b"\n"):
+        window = window[1:]  # the first piece is a line cut in its middle
+    found: LineProgress | None = None
+    for text in reversed(window[-lines:]):
+        if not text.strip():
+            continue
+        p = read(text)
+        if p is None:
+            continue
+        if found is None:
+            if p.loss and p.counted:
+                found = p
+                if found.epoch is not None:
+                    return found
+            continue
+        if p.epoch is not None and not p.loss:
+            return LineProgress(
+                found.loss, found.stage, p.epoch, found.iter, found.step, found.rank
+            )
+    return found
