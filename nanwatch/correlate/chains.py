@@ -132,14 +132,31 @@ def torn_down(effect: StoredEvent, cause: StoredEvent) -> bool:
     missing, the same process is the evidence."""
     if cause.kind not in SYMPTOM_KINDS or not may_be_torn_down(effect):
         return False
-    if not same_process(effect, cause):
-        return False
     e_lo, e_hi = _bounds(effect)
     c_lo, c_hi = _bounds(cause)
+    if not same_process(effect, cause):
+        return _aborted_after(effect, cause, e_lo, c_lo)
     # 5 s: two clocks of one node (the launcher's and the worker's log lines)
     if e_hi is not None and c_lo is not None and e_hi < c_lo - 5.0:
         return False  # the exit came before the failure
     return not (e_lo is not None and c_hi is not None and e_lo > c_hi + TEARDOWN_AFTER)
+
+
+def _aborted_after(
+    effect: StoredEvent, cause: StoredEvent, e_lo: float | None, c_lo: float | None
+) -> bool:
+    """An abort (SIGABRT: what a collective watchdog does) of another rank, reported after a
+    watchdog's timeout: every rank in a hung collective times out, and a launcher that saw a
+    rank crash first would have ended the others before their timeouts came. After: by time
+    when both have one, else by line order in one file (the launcher and the workers print to
+    the same stream)."""
+    if not _aborted(effect.fields):
+        return False
+    if e_lo is not None and c_lo is not None:
+        return c_lo - 5.0 <= e_lo <= c_lo + TEARDOWN_AFTER
+    if effect.source_id is None or effect.source_id != cause.source_id:
+        return False
+    return effect.line is not None and cause.line is not None and effect.line > cause.line
 
 
 def _bounds(ev: StoredEvent) -> tuple[float | None, float | None]:

@@ -24,9 +24,8 @@ from typing import Any
 from ..events import DEVICES, Event, Metric
 from ..sources.dates import file_bound
 from ..stream import LAUNCH_KEYS, StreamState
-from . import companion
+from . import companion, progress
 from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
-from . import progress
 from .columns import ColumnFormat, MetricColumns, Rows
 from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values

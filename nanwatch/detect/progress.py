@@ -31,7 +31,8 @@ from .rules import normalize_stage
 LINE_MAX = 4000  # what is read of one line
 
 _LOSS = re.compile(
-    r"(?i)(?P<key>(?<![\w/.\-])[a-z_][\w/.\-]{0,60}?)?loss(?P<tail>[\w/.\-]{0,30}?)['\"]?\]?[ \t]{0,3}"
+    r"(?i)(?P<key>(?<![\w/.\-])[a-z_][\w/.\-]{0,60}?)?loss(?P<tail>[\w/.\-]{0,30}?)"
+    r"['\"]?\]?[ \t]{0,3}"
     r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
 )
 _COUNTER = re.compile(
@@ -92,7 +93,7 @@ def read(text: str) -> LineProgress | None:
             if any(a < m.end() and m.start() < b for a, b in taken):
                 continue
             n, of = int(m.group("n")), int(m.group("of"))
-            if 0 < of and n <= of:
+            if of > 0 and n <= of:
                 it = n
                 break
     if not losses and epoch is None and it is None and step is None:
@@ -100,7 +101,7 @@ def read(text: str) -> LineProgress | None:
     stages = {normalize_stage(w) for w in _MODE.findall(text)}
     # a plain loss beside a val_loss is a training step that also reports its validation
     # (Keras' epoch summary); only a line of qualified losses takes its mode from their keys
-    plain = any(not (m.group("key") or "").strip("_/.-") for m in losses)
+    plain = any(not _KEY_STAGE.match((m.group("key") or "").lower()) for m in losses)
     if not plain:
         for m in losses:
             qualified = _KEY_STAGE.match((m.group("key") or "").lower())
@@ -128,8 +129,8 @@ def before(
 ) -> LineProgress | None:
     """The nearest line before ``start`` in ``chunk`` that prints a loss beside a counter (the
     last logged step before a failure report), looking back at most ``lines`` lines and
-    ``span`` bytes, none below ``floor``; the epoch may come from a line above it (Keras prints ``Epoch 3/10`` on a
-    line of its own)."""
+    ``span`` bytes, none below ``floor``; the epoch may come from a line above it (Keras
+    prints ``Epoch 3/10`` on a line of its own)."""
     lo = max(floor, start - span)
     window = chunk[lo:start].decode("utf-8", "replace").split("\n")
     if lo > floor or (lo > 0 and chunk[lo - 1 : lo] != b"\n"):

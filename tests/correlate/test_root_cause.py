@@ -179,6 +179,35 @@ def test_an_abort_without_a_failure_of_its_own_rank_stays_the_root(
     assert inc["ranks"] == [0, 1] and inc["event_count"] == 3
 
 
+UNTIMED_TIMEOUT = (
+    "RuntimeError: NCCL communicator was aborted on rank 0.  Original reason for failure was: "
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=91, "
+    "OpType=ALLGATHER, Timeout(ms)=900000) ran for 900412 milliseconds before timing out."
+)
+UNTIMED_ABORT = (
+    "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -6) local_rank: 2 "
+    "(pid: 51002) of binary: /opt/venv/bin/python"
+)
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_another_ranks_abort_after_a_timeout_in_the_same_log_is_its_effect(
+    tmp_path: Path, db: Path, abort_first: bool
+) -> None:
+    """No line has a time. Rank 0's watchdog times out, then the launcher reports rank 2's
+    abort (SIGABRT, what every rank's watchdog does in a hung collective): the timeout is the
+    root. Reported the other way round (the abort first: a launcher ends the others when one
+    crashes), the abort stays the root."""
+    lines = [UNTIMED_ABORT, UNTIMED_TIMEOUT] if abort_first else [UNTIMED_TIMEOUT, UNTIMED_ABORT]
+    write_lines(tmp_path / "job" / "train.log", lines)
+    (inc,) = scan(db, tmp_path / "job")
+    assert inc["event_count"] == 2 and inc["ranks"] == [0, 2]
+    if abort_first:
+        assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 2
+    else:
+        assert inc["kind"] == "comm_timeout" and inc["origin"]["rank"] == 0
+
+
 def test_an_exit_long_after_its_ranks_timeout_is_not_its_effect(tmp_path: Path, db: Path) -> None:
     run = tmp_path / "job"
     write_lines(run / "rank1.log", watchdog_timeout(0.0, 1))

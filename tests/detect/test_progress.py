@@ -1,0 +1,90 @@
+"""The metric-line reader (detect/progress.py) and what the engine takes from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanwatch.detect import progress
+from nanwatch.detect.engine import Detector
+from nanwatch.detect.rules import load_rules
+from nanwatch.stream import StreamState
+
+
+@pytest.mark.parametrize(
+    ("line", "stage", "epoch", "it", "step"),
+    [
+        ("ep 4 | iter 120 | loss 0.731 | lr 1e-4", "train", 4, 120, None),
+        ("Epoch 3/12  step=4410  loss=nan", "train", 3, None, 4410),
+        ("train: 9, 140 / 700] Loss/total: 0.91", "train", None, 140, None),
+        ("  81/400 [====>....] - ETA: 2:10 - loss: 0.5 - val_loss: 0.6", "train", None, 81, None),
+        ("eval epoch 2: val loss 0.44", "val", 2, None, None),
+        # the modes disagree: nanoGPT's evaluation line says both
+        ("step 2000: train loss 3.91, val loss 3.97", None, None, None, 2000),
+        # no loss and no counter: not a metric line
+        ("loading shards 3/8 [=====>  ]", None, None, None, None),
+    ],
+)
+def test_a_metric_line_is_read_by_its_structure(
+    line: str, stage: str | None, epoch: int | None, it: int | None, step: int | None
+) -> None:
+    got = progress.read(line)
+    if line.startswith("loading"):
+        assert got is not None and not got.loss
+        return
+    assert got is not None
+    assert (got.stage, got.epoch, got.iter, got.step) == (stage, epoch, it, step)
+
+
+def test_a_loss_scale_and_a_position_inside_a_counter_are_not_read() -> None:
+    got = progress.read("Epoch:[2/10] loss_scale: 1024.0")
+    assert got is not None and not got.loss and got.epoch == 2 and got.iter is None
+
+
+def test_the_last_logged_step_before_a_report() -> None:
+    chunk = (
+        b"Epoch 7/20\n"
+        b"12/90 [==>....] - loss: 0.3\n"
+        b"13/90 [==>....] - loss: 0.3\n"
+        b"Traceback (most recent call last):\n"
+    )
+    got = progress.before(chunk, chunk.index(b"Traceback"))
+    assert got is not None and (got.epoch, got.iter, got.stage) == (7, 13, "train")
+    # nothing below the floor is read
+    at = chunk.index(b"Traceback")
+    assert progress.before(chunk, at, floor=at) is None
+
+
+def _events(text: str) -> list:
+    det = Detector(load_rules())
+    events, _ = det.feed(text.encode(), 0, StreamState(), "x.log")
+    return events
+
+
+def test_a_report_without_counters_takes_the_step_logged_before_it() -> None:
+    """A format no progress rule knows: the crash's event says where the run was."""
+    (ev,) = _events(
+        "[trainer] ep 3 | it 410/1000 | loss 0.2241 | lr 2.0e-4\n"
+        "[trainer] ep 3 | it 420/1000 | loss 0.2203 | lr 2.0e-4\n"
+        "Traceback (most recent call last):\n"
+        '  File "/srv/job/run.py", line 77, in <module>\n'
+        "    out = model(batch)\n"
+        "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    )
+    assert ev.kind == "process_failure"
+    assert (ev.epoch, ev.stage) == (3, "train")
+
+
+def test_a_nan_on_an_unknown_metric_line_gets_its_own_counters() -> None:
+    (ev,) = _events("[worker] epoch 5 iter 3100 total_loss: nan\n")
+    assert (ev.kind, ev.epoch, ev.iter, ev.stage) == ("nan", 5, 3100, "train")
+
+
+def test_an_inference_log_gets_no_stage() -> None:
+    (ev,) = _events(
+        "INFO 03-01 10:00:00 engine.py:120] Avg prompt throughput: 120.1 tokens/s\n"
+        "Traceback (most recent call last):\n"
+        '  File "/srv/api.py", line 40, in generate\n'
+        "    out = llm.generate(prompts)\n"
+        "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    )
+    assert ev.stage is None and ev.iter is None
