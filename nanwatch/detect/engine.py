@@ -981,6 +981,8 @@ class Detector:
             stage = "train"  # the event's own line is a training step's (it prints a learning rate)
         if stage is None and line_progress is not None:
             stage = line_progress.stage
+        if stage is None and rule.kind == "nan" and progress.training_value(text):
+            stage = "train"  # a loss or gradient gone non-finite, nothing says in evaluation
         if (
             state.epoch is None
             and state.iter is None

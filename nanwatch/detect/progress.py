@@ -124,6 +124,26 @@ def read(text: str) -> LineProgress | None:
     )
 
 
+# a loss or a gradient named on a line, whatever follows ("Loss is nan", "NaN loss", "the grad
+# norm is nan"), and the words that make it an evaluation's
+_TRAINING_VALUE = re.compile(
+    r"(?i)(?<![\w])(?P<pre>[a-z]{1,12}[_ /.\-])?"
+    r"(?:loss(?:es)?|grad(?:ient)?s?(?:[_ ]?norm)?)(?![a-z])"
+)
+_EVAL_PREFIX = re.compile(r"(?i)^(?:val|valid|validation|eval|evaluation|test|dev)[_ /.\-]$")
+
+
+def training_value(text: str) -> bool:
+    """Does ``text`` speak of a loss or a gradient that is not an evaluation's, on a line with no
+    mode word? Only training computes gradients, and a loss that nothing qualifies (no
+    ``val_loss``, no ``Epoch(val)``) is the training loop's: the reading for a non-finite value
+    in a stream that names no stage."""
+    text = text[:LINE_MAX]
+    if _MODE.search(text):
+        return False
+    return any(not _EVAL_PREFIX.match(m.group("pre") or "") for m in _TRAINING_VALUE.finditer(text))
+
+
 def before(
     chunk: bytes, start: int, lines: int = 200, span: int = 32768, floor: int = 0
 ) -> LineProgress | None:

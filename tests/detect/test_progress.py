@@ -88,3 +88,25 @@ def test_an_inference_log_gets_no_stage() -> None:
         "RuntimeError: CUDA error: an illegal memory access was encountered\n"
     )
     assert ev.stage is None and ev.iter is None
+
+
+@pytest.mark.parametrize(
+    ("line", "train"),
+    [
+        ("worker - Loss is nan.", True),
+        ("ValueError: NaN loss", True),
+        ("WARNING: The grad norm is nan. Skipping updating the model.", True),
+        ("val_loss is nan", False),
+        ("Evaluating: loss is nan", False),
+        ("reward is nan", False),
+    ],
+)
+def test_a_non_finite_loss_or_gradient_is_a_training_steps(line: str, train: bool) -> None:
+    assert progress.training_value(line) is train
+
+
+def test_a_nan_loss_with_no_stage_anywhere_is_trainings() -> None:
+    (ev,) = _events("speech.core - Loss is nan.\n")
+    assert ev.kind == "nan" and ev.stage == "train"
+    (ev,) = _events("metrics: reward_mean: nan\n")
+    assert ev.kind == "nan" and ev.stage is None
