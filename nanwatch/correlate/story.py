@@ -190,7 +190,7 @@ def describe(
                 # a fleet's story: how far the failure reached
                 title += f" on {len(sym_nodes)} nodes"
                 detail["symptom_nodes"] = len(sym_nodes)
-            title += " then timed out"
+            title += " then timed out" if "comm_timeout" in symptoms else " then failed"
             title += f" in {bk}" if sym_backends else ""
         delay = _delay(origin.get("time"), first_sym)
         detail["root_cause"] = (

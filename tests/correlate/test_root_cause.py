@@ -358,3 +358,19 @@ def test_an_oom_read_after_the_watchdog_aborts_it_caused_roots_them_all(
     (inc,) = scan(db, run)
     assert inc["kind"] == "oom" and inc["origin"]["rank"] == 6 and inc["event_count"] == 11
     assert inc["title"].startswith("Out of memory on rank 6")
+
+
+def test_ranks_that_failed_in_a_collective_are_not_said_to_have_timed_out(
+    tmp_path: Path, db: Path
+) -> None:
+    run = tmp_path / "job"
+    oom_on(run, 3, 0.0)
+    stamp = at(30.0).strftime("%Y-%m-%d-%H:%M:%S")
+    write_lines(
+        run / "rank0.log",
+        [f"[ERROR] {stamp} (PID:4100, Device:0, RankID:0) ERR02200 DIST call hccl api failed."],
+    )
+    (inc,) = scan(db, run)
+    assert inc["kind"] == "oom" and inc["origin"]["rank"] == 3
+    assert "1 other rank then failed in HCCL" in inc["title"]
+    assert "timed out" not in inc["title"]
