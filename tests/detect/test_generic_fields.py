@@ -73,9 +73,9 @@ def test_a_start_up_fall_below_a_settled_level_is_an_incident() -> None:
 def test_a_scale_fallen_sixteenfold_is_an_incident_whatever_the_wording() -> None:
     lines = [
         STEP,
-        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 65536.0",
-        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 16384.0",
-        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 4096.0",
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 131072.0",
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0",
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 8192.0",
     ]
     assert _cascades(feed(lines)) == [3]
 

@@ -93,9 +93,9 @@ def test_an_inference_log_gets_no_stage() -> None:
 @pytest.mark.parametrize(
     ("line", "train"),
     [
-        ("worker - Loss is nan.", True),
+        ("loop.guard - Loss is nan.", True),
         ("ValueError: NaN loss", True),
-        ("WARNING: The grad norm is nan. Skipping updating the model.", True),
+        ("step skipped: grad_norm is nan", True),
         ("val_loss is nan", False),
         ("Evaluating: loss is nan", False),
         ("reward is nan", False),
@@ -106,7 +106,7 @@ def test_a_non_finite_loss_or_gradient_is_a_training_steps(line: str, train: boo
 
 
 def test_a_nan_loss_with_no_stage_anywhere_is_trainings() -> None:
-    (ev,) = _events("speech.core - Loss is nan.\n")
+    (ev,) = _events("trainer.guard - Loss is nan.\n")
     assert ev.kind == "nan" and ev.stage == "train"
     (ev,) = _events("metrics: reward_mean: nan\n")
     assert ev.kind == "nan" and ev.stage is None
