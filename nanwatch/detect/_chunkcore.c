@@ -25,6 +25,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -39,14 +40,14 @@ static int ws(unsigned char c)
 }
 static int in(unsigned char c, char lo, char hi) { return c >= (unsigned char)lo && c <= (unsigned char)hi; }
 
-/* the literal s at p (NULL: not there), the end of it otherwise */
-static P lit(P p, P e, const char *s)
+/* the literal s (n bytes) at p (NULL: not there), the end of it otherwise */
+static P lit_n(P p, P e, const char *s, size_t n)
 {
-    size_t n = strlen(s);
     if ((size_t)(e - p) < n || memcmp(p, s, n) != 0)
         return NULL;
     return p + n;
 }
+#define lit(p, e, s) lit_n((p), (e), (s), sizeof(s) - 1)
 static P digits(P p, P e)
 {
     while (p < e && dig(*p))
@@ -73,13 +74,14 @@ static P digits_dots(P p, P e)
 }
 
 /* " +NAME: " at p: the end of it (NULL: not there) */
-static P key(P p, P e, const char *name)
+static P key_n(P p, P e, const char *name, size_t n)
 {
     P q = spaces(p, e);
     if (q == p)
         return NULL;
-    return lit(q, e, name);
+    return lit_n(q, e, name, n);
 }
+#define key(p, e, s) key_n((p), (e), (s), sizeof(s) - 1)
 
 /* \d+:\d\d:\d\d at p */
 static P hms(P p, P e)
@@ -273,6 +275,55 @@ static int to_int(Span s, long long *out)
     return 0;
 }
 
+/* Decimal text of at most 15 digits and a power of ten up to 22: the digits (below 2**53)
+   and the power are exact doubles, so one IEEE multiplication or division rounds correctly,
+   as float() does (Clinger's fast path). Only where doubles are evaluated as doubles (SSE2,
+   aarch64: FLT_EVAL_METHOD 0); -1 for any other text. */
+static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                 1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+static int fast_float(P p, P e, double *out)
+{
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
+    int neg = 0, nd = 0, frac = 0, ex = 0, exneg = 0, exd = 0, k;
+    int64_t m = 0;
+    if (p < e && (*p == '-' || *p == '+'))
+        neg = *p++ == '-';
+    for (; p < e && dig(*p); p++, nd++)
+        m = m * 10 + (*p - '0');
+    if (p < e && *p == '.') {
+        for (p++; p < e && dig(*p); p++, nd++, frac++)
+            m = m * 10 + (*p - '0');
+    }
+    if (nd == 0 || nd > 15)
+        return -1;
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '-' || *p == '+'))
+            exneg = *p++ == '-';
+        for (; p < e && dig(*p) && exd < 4; p++, exd++)
+            ex = ex * 10 + (*p - '0');
+        if (exd == 0 || exd >= 4)
+            return -1;
+    }
+    if (p != e)
+        return -1;
+    k = (exneg ? -ex : ex) - frac;
+    if (k < -22 || k > 22)
+        return -1;
+    *out = k < 0 ? (double)m / POW10[-k] : (double)m * POW10[k];
+    if (neg)
+        *out = -*out;
+    return 0;
+#else
+    (void)p;
+    (void)e;
+    (void)out;
+    return -1;
+#endif
+}
+
 /* float(text): 0 and *out when Python's float() reads the text exactly so, -1 otherwise */
 static int to_float(Span s, double *out)
 {
@@ -281,6 +332,8 @@ static int to_float(Span s, double *out)
     size_t n = (size_t)(s.hi - s.lo);
     size_t i;
     double v;
+    if (fast_float(s.lo, s.hi, out) == 0)
+        return 0;
     if (n == 0 || n >= sizeof buf)
         return -1;
     for (i = 0; i < n; i++) {
@@ -347,8 +400,9 @@ static PyObject *rows(PyObject *self, PyObject *args)
                 mine = 0; /* the rule examines only its first bytes: the line engine's */
                 break;
             }
+            /* (cols[1], the rows' ends, stays empty: the Python reader's line count needs them,
+               this core gives line indexes instead) */
             if (append_new(cols[0], PyLong_FromSsize_t(p - base)) < 0 ||
-                append_new(cols[1], PyLong_FromSsize_t(e - base)) < 0 ||
                 append_new(cols[2], PyLong_FromSsize_t(line)) < 0)
                 goto done;
             if (r.date) {
@@ -427,9 +481,65 @@ done:
     return out;
 }
 
+/* zip_rows(cls, columns) -> [cls(*row) for row in zip(*columns)] for a tuple subclass (a
+   NamedTuple such as Metric) and equally long lists; None for anything else. */
+static PyObject *zip_rows(PyObject *self, PyObject *args)
+{
+    PyObject *cls, *cols, *out;
+    PyTypeObject *type;
+    Py_ssize_t k, n, i, j;
+    int gc, atoms;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!", &cls, &PyTuple_Type, &cols))
+        return NULL;
+    k = PyTuple_GET_SIZE(cols);
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) || k == 0)
+        Py_RETURN_NONE;
+    type = (PyTypeObject *)cls;
+    n = -1;
+    for (j = 0; j < k; j++) {
+        PyObject *c = PyTuple_GET_ITEM(cols, j);
+        if (!PyList_CheckExact(c) || (n >= 0 && PyList_GET_SIZE(c) != n))
+            Py_RETURN_NONE;
+        n = PyList_GET_SIZE(c);
+    }
+    if (!(out = PyList_New(n)))
+        return NULL;
+    /* no collection in the middle of the loop: the new tuples hold no cycle, and a generation
+       0 pass every few hundred of them cost three times the loop itself */
+    gc = PyGC_Disable();
+    for (i = 0; i < n; i++) {
+        PyObject *t = type->tp_alloc(type, k);
+        if (!t) {
+            if (gc)
+                PyGC_Enable();
+            Py_DECREF(out);
+            return NULL;
+        }
+        atoms = 1;
+        for (j = 0; j < k; j++) {
+            PyObject *v = PyList_GET_ITEM(PyTuple_GET_ITEM(cols, j), i);
+            Py_INCREF(v);
+            PyTuple_SET_ITEM(t, j, v);
+            atoms = atoms && !PyObject_IS_GC(v);
+        }
+        /* a tuple of numbers, text and None is in no cycle: the collector need never look at
+           it (what it does itself on its first pass over such a tuple) */
+        if (atoms && PyObject_IS_GC(t))
+            PyObject_GC_UnTrack(t);
+        PyList_SET_ITEM(out, i, t);
+    }
+    if (gc)
+        PyGC_Enable();
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"zip_rows", zip_rows, METH_VARARGS,
+     "zip_rows(cls, columns) -> a list of cls tuples, one per row of the equally long lists in "
+     "the tuple columns (None when cls is no tuple type or a column no list)."},
     {"rows", rows, METH_VARARGS,
-     "rows(chunk, max_bytes) -> 16 lists (starts, ends, line index, head or None, date or "
+     "rows(chunk, max_bytes) -> 16 lists (starts, [] (no ends), line index, head or None, date or "
      "None, second or None, stage, epoch, iter, iters, lr, time, data_time, memory, grad_norm, "
      "loss), or None when the chunk holds something only the Python reader reads as it must."},
     {NULL, NULL, 0, NULL},

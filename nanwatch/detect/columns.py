@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
-from typing import Any
+from typing import Any, cast
 
 from ..events import Metric
 from ..stream import StreamState
@@ -58,6 +58,11 @@ class MetricColumns:
 
     def rows(self) -> list[Metric]:
         """The rows as :class:`Metric` tuples (what ``Store.insert_metrics`` takes)."""
+        fast = _core.zip_rows()
+        if fast is not None:
+            got = fast(Metric, tuple(getattr(self, f) for f in Metric._fields))
+            if got is not None:
+                return got
         return list(
             map(
                 Metric._make,
@@ -331,11 +336,8 @@ def apply(
     stage_changed = False
     if stages_raw is not None:
         cache = fmt.plan.stages
-        norm: list[str | None] = []
-        for b in stages_raw:
-            if b is None:
-                norm.append(None)
-                continue
+        table: dict[Any, str | None] = {None: None}
+        for b in set(stages_raw) - {None}:  # a handful of distinct values
             st = cache.get(b, "")
             if st == "":
                 if len(cache) > 64:
@@ -343,13 +345,10 @@ def apply(
                 st = cache[b] = normalize_stage(
                     b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b)
                 )
-            norm.append(st or None)
+            table[b] = st or None
+        norm: list[str | None] = list(map(table.__getitem__, stages_raw))
         stages = _ffill(norm, state.stage)
-        prev = state.stage
-        for st in stages:
-            if st != prev:
-                stage_changed = True
-                break
+        stage_changed = stages.count(state.stage) != len(stages)
     else:
         stages = [state.stage] * n
 
@@ -377,7 +376,7 @@ def apply(
         and None not in per_epoch
         and 0 not in epochs
         and 0 not in per_epoch
-        and all(st == "train" for st in stages)
+        and stages.count("train") == n
     ):
         # the common case at once: training rows of an epoch-based loop counted from 1
         steps = [(e - 1) * p + i for e, i, p in zip(epochs, iters_in, per_epoch)]  # type: ignore[operator]
@@ -400,7 +399,10 @@ def apply(
 
     # times: the _date/_sec groups through the per-minute cache, else the line's head
     times: list[str | None] = []
-    if fmt.date >= 0:
+    fast = _typed_times(cols[fmt.date], cols[fmt.sec], tp) if typed and fmt.date >= 0 else None
+    if fast is not None:
+        times = fast
+    elif fmt.date >= 0:
         dates, secs, heads = cols[fmt.date], cols[fmt.sec], cols[fmt.head]
         whole = _WHOLE
         minute = tp.minute
@@ -485,6 +487,27 @@ def apply(
     )
     end_pos = starts[-1] if n else pos
     return columns, end_line, end_pos, first_epoch
+
+
+def _typed_times(
+    dates: Sequence[bytes | None], secs: Sequence[int | None], tp: TimeParser
+) -> list[str | None] | None:
+    """The compiled core's rows' times when every row has a date on a UTC minute and a whole
+    second below 60 (each minute looked up once, as the row-by-row loop does); else None."""
+    if not secs or None in dates or None in secs:
+        return None
+    known = cast("Sequence[bytes]", dates)
+    seconds = cast("Sequence[int]", secs)
+    if max(seconds) >= 60:
+        return None
+    prefixes: dict[bytes, str] = {}
+    for d in dict.fromkeys(known):  # distinct minutes, in row order
+        at, prefix = tp.minute(d)
+        if at is False or prefix is None:
+            return None
+        prefixes[d] = prefix
+    whole = _WHOLE
+    return [prefixes[d] + whole[s] for d, s in zip(known, seconds)]
 
 
 _WHOLE = tuple(f"{s:02d}.000Z" for s in range(60))

@@ -410,3 +410,22 @@ def test_a_row_longer_than_the_rule_examines_goes_to_the_python_reader() -> None
     long = rows[1] + "  loss_x: 0.5" * 6000  # past the rule's max_chars (65536)
     c = _compare(("\n".join([rows[0], long, rows[2]]) + "\n").encode(), (1 << 30,))
     assert c.declined == 1 and c.read == 0
+
+
+_DECIMALS = st.from_regex(r"[+-]?[0-9]{0,17}(\.[0-9]{0,17})?([eE][+-]?[0-9]{1,4})?", fullmatch=True)
+
+
+@needs_core
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_DECIMALS, min_size=1, max_size=8))
+def test_decimal_numbers_read_as_float_reads_them(values: list[str]) -> None:
+    """The core's exact shortcut for short decimals (one multiplication or division by a
+    power of ten) gives float()'s double, to the bit, and its fallback the rest."""
+    text = "".join(
+        f"2026/11/30 10:00:{k:02d} - mmengine - INFO - Epoch(train)  [1][{k + 1}/900]  "
+        f"lr: {v}  time: 0.8612  grad_norm: {v}  loss: {v}\n"
+        for k, v in enumerate(values)
+    )
+    c = _compare(text.encode(), (1 << 30,))
+    if all(_plain_float(v) for v in values):
+        assert c.read == 1
