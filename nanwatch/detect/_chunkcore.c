@@ -481,8 +481,9 @@ done:
     return out;
 }
 
-/* zip_rows(cls, columns) -> [cls(*row) for row in zip(*columns)] for a tuple subclass (a
-   NamedTuple such as Metric) and equally long lists; None for anything else. */
+/* zip_rows(cls, columns) -> [cls(*row) for row in zip(*columns)] for tuple or a tuple
+   subclass (a NamedTuple such as Metric) and equally long lists or tuples; None for anything
+   else. */
 static PyObject *zip_rows(PyObject *self, PyObject *args)
 {
     PyObject *cls, *cols, *out;
@@ -499,9 +500,10 @@ static PyObject *zip_rows(PyObject *self, PyObject *args)
     n = -1;
     for (j = 0; j < k; j++) {
         PyObject *c = PyTuple_GET_ITEM(cols, j);
-        if (!PyList_CheckExact(c) || (n >= 0 && PyList_GET_SIZE(c) != n))
+        if (!(PyList_CheckExact(c) || PyTuple_CheckExact(c)) ||
+            (n >= 0 && PySequence_Fast_GET_SIZE(c) != n))
             Py_RETURN_NONE;
-        n = PyList_GET_SIZE(c);
+        n = PySequence_Fast_GET_SIZE(c);
     }
     if (!(out = PyList_New(n)))
         return NULL;
@@ -509,7 +511,7 @@ static PyObject *zip_rows(PyObject *self, PyObject *args)
        0 pass every few hundred of them cost three times the loop itself */
     gc = PyGC_Disable();
     for (i = 0; i < n; i++) {
-        PyObject *t = type->tp_alloc(type, k);
+        PyObject *t = type == &PyTuple_Type ? PyTuple_New(k) : type->tp_alloc(type, k);
         if (!t) {
             if (gc)
                 PyGC_Enable();
@@ -518,7 +520,7 @@ static PyObject *zip_rows(PyObject *self, PyObject *args)
         }
         atoms = 1;
         for (j = 0; j < k; j++) {
-            PyObject *v = PyList_GET_ITEM(PyTuple_GET_ITEM(cols, j), i);
+            PyObject *v = PySequence_Fast_GET_ITEM(PyTuple_GET_ITEM(cols, j), i);
             Py_INCREF(v);
             PyTuple_SET_ITEM(t, j, v);
             atoms = atoms && !PyObject_IS_GC(v);

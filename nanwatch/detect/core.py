@@ -118,9 +118,9 @@ def reader(
     return fn, [groupindex[g] - 1 for g in GROUPS]
 
 
-def zip_rows() -> Callable[[type, tuple[list[Any], ...]], list[Any] | None] | None:
+def zip_rows() -> Callable[[type, tuple[Sequence[Any], ...]], list[Any] | None] | None:
     """The compiled ``[cls._make(r) for r in zip(*columns)]`` (None: pure Python)."""
     if _MODULE is None or not status()[0]:
         return None
-    fn: Callable[[type, tuple[list[Any], ...]], list[Any] | None] = _MODULE.zip_rows
+    fn: Callable[[type, tuple[Sequence[Any], ...]], list[Any] | None] = _MODULE.zip_rows
     return fn

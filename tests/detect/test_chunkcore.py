@@ -208,6 +208,40 @@ def test_a_scan_stores_the_same_with_either_core(
     assert got["1"]["sources"] == got["0"]["sources"]
 
 
+@needs_core
+def test_a_scan_in_worker_processes_stores_the_same_with_either_core(
+    bench_logs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers send metric rows as columns; the compiled core zips them back into rows."""
+    import nanwatch.daemon.passes as passes_module
+
+    monkeypatch.setenv("NANWATCH_SCAN_WORKERS", "2")
+    monkeypatch.setattr(passes_module, "POOL_MIN_BYTES", 0)
+    started: list[int] = []
+    real_pool = passes_module.DetectorPool
+
+    def pool(detector: Detector, workers: int) -> Any:
+        started.append(workers)
+        return real_pool(detector, workers)
+
+    monkeypatch.setattr(passes_module, "DetectorPool", pool)
+    got = {}
+    for pure in ("1", "0"):
+        monkeypatch.setenv(chunkcore.PURE_ENV, pure)
+        db = tmp_path / f"{pure}.db"
+        store = Store.open(db)
+        try:
+            Pipeline(Config(), store, [str(bench_logs["long"].root)]).scan()
+        finally:
+            store.close()
+        got[pure] = _db_rows(db)
+    assert started == [2, 2]
+    assert len(got["0"]["metrics"]) == bench_logs["long"].iteration_lines
+    assert _same(got["1"]["events"], got["0"]["events"])
+    assert _same(got["1"]["metrics"], got["0"]["metrics"])
+    assert got["1"]["sources"] == got["0"]["sources"]
+
+
 # -- generated iteration lines ----------------------------------------------------------------
 
 _NUMBERS = st.one_of(
