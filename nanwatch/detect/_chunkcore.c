@@ -564,8 +564,9 @@ PyMODINIT_FUNC PyInit__chunkcore(void)
         Py_DECREF(m);
         return NULL;
     }
-    /* the format this core reads, for the Python side to compare with the rule it is given */
-    if (PyModule_AddIntConstant(m, "VERSION", 1) < 0) {
+    /* what core.py expects (CORE_VERSION): a build left over from an older source (an
+       editable install not rebuilt) is not used */
+    if (PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 PURE_ENV = "NANWATCH_PURE"
+CORE_VERSION = 2  # _chunkcore.c's VERSION: the interface this module calls
 
 # what _chunkcore.c reads (the rule's pattern and its columns head, as parsers/mmengine.toml
 # has them); a rule that differs in one character is read by the Python path
@@ -75,7 +76,11 @@ def _load() -> tuple[ModuleType | None, str]:
         ):
             return None, "not built (no C compiler at install time?)"
         return None, f"import error: {exc}"
-    return mod, str(getattr(mod, "__file__", "?"))
+    where = str(getattr(mod, "__file__", "?"))
+    got = getattr(mod, "VERSION", None)
+    if got != CORE_VERSION:
+        return None, f"stale build {where} (version {got}, this nanwatch needs {CORE_VERSION})"
+    return mod, where
 
 
 _MODULE, _DETAIL = _load()

@@ -463,3 +463,18 @@ def test_decimal_numbers_read_as_float_reads_them(values: list[str]) -> None:
     c = _compare(text.encode(), (1 << 30,))
     if all(_plain_float(v) for v in values):
         assert c.read == 1
+
+
+def test_a_build_of_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install whose extension was built from an older _chunkcore.c (another
+    interface) reads in pure Python, and doctor says why."""
+    import types
+
+    old = types.ModuleType("nanwatch.detect._chunkcore")
+    old.VERSION = chunkcore.CORE_VERSION - 1  # type: ignore[attr-defined]
+    old.__file__ = "/x/_chunkcore.so"
+    monkeypatch.setattr(chunkcore, "import_module", lambda name, package=None: old)
+    mod, why = chunkcore._load()
+    assert mod is None
+    v = chunkcore.CORE_VERSION
+    assert why == f"stale build /x/_chunkcore.so (version {v - 1}, this nanwatch needs {v})"
