@@ -13,6 +13,10 @@ row's. What makes the result the line engine's, to the byte:
   not a row either, so it too sends its chunk to the line engine;
 - rows that other rules want to read (an event literal on them: a NaN loss) are handed back to
   the line engine one by one, in their place among the rows (``engine.py``).
+
+Where it is built, the compiled chunk core (``core.py``, ``_chunkcore.c``) finds the rows of
+the shipped mmengine format and converts their numbers instead of ``finditer``; any chunk it
+does not read exactly as the regex would is read here, which stays the reference.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class Rows:
 
     The compiled core (``core.py``) gives ``cols`` instead of ``groups``: one list per group
     (by group index), numbers already converted as ``apply`` converts them, and ``lines``,
-    the index of each row's line in the chunk.
+    the index of each row's line in the chunk, instead of ``ends`` (empty then).
     """
 
     starts: list[int]
