@@ -2,7 +2,9 @@
 
 Each run scans into a fresh database as a real process; its start-up (the same command on an
 empty folder) is measured in the same loop and subtracted. grep and scan alternate, so a busy
-neighbour slows both alike, and the ratio is taken per pair, then the median.
+neighbour slows both alike, and the ratio is taken per pair, then the median. The mmengine
+inputs are scanned twice: with the compiled chunk core (when it is built) and in pure Python
+(``NANWATCH_PURE=1``), side by side.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nanwatch.detect.core import PURE_ENV, status
+
 from .common import NANWATCH, median, spread, timed
 from .inputs import mmengine_logs, plogs
 
@@ -22,17 +26,19 @@ GREP = (
 )
 
 
-def _scan_once(paths: list[str], db: Path) -> tuple[float, float, dict[str, Any]]:
+def _scan_once(
+    paths: list[str], db: Path, env: dict[str, str] | None = None
+) -> tuple[float, float, dict[str, Any]]:
     for p in db.parent.glob(db.name + "*"):
         p.unlink()
-    t = timed([*NANWATCH, "scan", "--json", "--db", str(db), *paths])
+    t = timed([*NANWATCH, "scan", "--json", "--db", str(db), *paths], env=env)
     return t.wall, t.rss_mib, json.loads(t.stdout)
 
 
-def _startup(tmp: Path) -> float:
+def _startup(tmp: Path, env: dict[str, str] | None = None) -> float:
     empty = tmp / "empty"
     empty.mkdir(exist_ok=True)
-    wall, _, _ = _scan_once([str(empty)], tmp / "startup.db")
+    wall, _, _ = _scan_once([str(empty)], tmp / "startup.db", env)
     return wall
 
 
@@ -41,7 +47,12 @@ def _grep(files: list[Path]) -> float:
 
 
 def throughput(
-    files: list[Path], roots: list[Path], size: int, runs: int, tmp: Path
+    files: list[Path],
+    roots: list[Path],
+    size: int,
+    runs: int,
+    tmp: Path,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Median MB/s of scan (start-up subtracted) and grep, alternating; the last summary."""
     _grep(files)  # page cache warm for both
@@ -49,8 +60,8 @@ def throughput(
     summary: dict[str, Any] = {}
     for _ in range(runs):
         g = _grep(files)
-        s0 = _startup(tmp)
-        wall, peak, summary = _scan_once([str(r) for r in roots], tmp / "scan.db")
+        s0 = _startup(tmp, env)
+        wall, peak, summary = _scan_once([str(r) for r in roots], tmp / "scan.db", env)
         work = max(wall - s0, 1e-3)
         greps.append(size / 1e6 / g)
         scans.append(size / 1e6 / work)
@@ -68,14 +79,25 @@ def throughput(
         "scan_s": round(size / 1e6 / median(scans), 2),
         "rss_mib": round(median(rss), 1),
         "runs": runs,
+        "work_s": round(size / 1e6 / median(scans), 3),
         "summary": summary,
     }
+
+
+def _pure(logs: Any, res: dict[str, Any], runs: int, tmp: Path) -> dict[str, Any]:
+    """The same input in pure Python (``NANWATCH_PURE=1``), for the side-by-side figures."""
+    got = throughput(logs.files, [logs.root], logs.bytes, runs, tmp, {PURE_ENV: "1"})
+    summary = got.pop("summary")
+    got["metrics_ok"] = summary["metrics"] == logs.iteration_lines
+    got["us_per_line"] = round(got["work_s"] / max(logs.iteration_lines, 1) * 1e6, 2)
+    return got
 
 
 def run(mb: float, runs: int, plog_mb: float) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="nanwatch-bench-scan-"))
     try:
-        out: dict[str, Any] = {}
+        compiled, detail = status()
+        out: dict[str, Any] = {"core": f"compiled ({detail})" if compiled else f"pure ({detail})"}
         # 705-byte iteration lines (half and full size: growth), then ~300-byte ones
         sizes = {"half": (mb / 2, False), "full": (mb, False), "short": (mb, True)}
         for name, (m, short) in sizes.items():
@@ -93,6 +115,9 @@ def run(mb: float, runs: int, plog_mb: float) -> dict[str, Any]:
             res["iteration_lines"] = logs.iteration_lines
             res["metrics_ok"] = summary["metrics"] == logs.iteration_lines
             res["line_bytes"] = round(logs.bytes / max(logs.iteration_lines, 1))
+            res["us_per_line"] = round(res["work_s"] / max(logs.iteration_lines, 1) * 1e6, 2)
+            if name != "half":
+                res["pure"] = _pure(logs, res, runs, tmp)
             out[name] = res
             shutil.rmtree(tmp / name)
         half, full = out["half"], out["full"]

@@ -179,6 +179,25 @@ def run_checks(
     from ..detect.prefilter import speed_report
 
     yield Finding("detect", "ok", speed_report())
+    yield check_core()
+
+
+def check_core() -> Finding:
+    """Which chunk core reads iteration lines: the compiled one or pure Python, and why."""
+    from ..detect.core import PURE_ENV, status
+
+    compiled, detail = status()
+    if compiled:
+        return Finding("core", "ok", f"chunk core: compiled ({detail})")
+    if detail.startswith(PURE_ENV):
+        return Finding("core", "ok", f"chunk core: pure Python (why: {detail})")
+    return Finding(
+        "core",
+        "warn",
+        f"chunk core: pure Python (why: {detail}); catch-up scans run several times slower",
+        "install a C compiler (gcc or clang) and the Python headers, then reinstall nanwatch "
+        "(pip install --force-reinstall --no-deps nanwatch, or pip install -e . in a checkout)",
+    )
 
 
 @click.command()

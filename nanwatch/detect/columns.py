@@ -13,6 +13,10 @@ row's. What makes the result the line engine's, to the byte:
   not a row either, so it too sends its chunk to the line engine;
 - rows that other rules want to read (an event literal on them: a NaN loss) are handed back to
   the line engine one by one, in their place among the rows (``engine.py``).
+
+Where it is built, the compiled chunk core (``core.py``, ``_chunkcore.c``) finds the rows of
+the shipped mmengine format and converts their numbers instead of ``finditer``; any chunk it
+does not read exactly as the regex would is read here, which stays the reference.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
-from typing import Any
+from typing import Any, cast
 
 from ..events import Metric
 from ..stream import StreamState
+from . import core as _core
 from .compiled import ChunkPlan, Compiled, _number
 from .rules import Rule, normalize_stage
 from .timestamps import TimeParser
@@ -57,6 +62,11 @@ class MetricColumns:
 
     def rows(self) -> list[Metric]:
         """The rows as :class:`Metric` tuples (what ``Store.insert_metrics`` takes)."""
+        fast = _core.zip_rows()
+        if fast is not None:
+            got = fast(Metric, tuple(getattr(self, f) for f in Metric._fields))
+            if got is not None:
+                return got
         return list(
             map(
                 Metric._make,
@@ -81,11 +91,18 @@ class MetricColumns:
 
 @dataclass
 class Rows:
-    """A chunk's rows: where each starts and its groups (bytes), in chunk order."""
+    """A chunk's rows: where each starts and its groups (bytes), in chunk order.
+
+    The compiled core (``core.py``) gives ``cols`` instead of ``groups``: one list per group
+    (by group index), numbers already converted as ``apply`` converts them, and ``lines``,
+    the index of each row's line in the chunk, instead of ``ends`` (empty then).
+    """
 
     starts: list[int]
     ends: list[int]  # where each row's line ends (its newline)
     groups: list[tuple[bytes | None, ...]]
+    cols: list[list[Any]] | None = None
+    lines: list[int] | None = None
 
 
 class ColumnFormat:
@@ -121,6 +138,8 @@ class ColumnFormat:
         self.sec = gi.get("_sec", -1)
         self.keys = {k: (const, at) for k, const, at in self.plan.keys}
         self.max_bytes = rule.max_chars  # a longer line is examined in part: the line engine's
+        # the compiled reader of this format, when there is one (core.py)
+        self.core = _core.reader(rule.pattern, rule.columns, dict(self.cre.groupindex), prefixes)
 
     def parse(self, chunk: bytes, counts: dict[bytes, int] | None = None) -> Rows | None:
         """The chunk's rows, or None when they are not every line of the format (see above);
@@ -128,6 +147,10 @@ class ColumnFormat:
         if counts is None:
             counts = {m: chunk.count(m) for m in self.markers}
         expected = sum(counts.values())
+        if self.core is not None:
+            got = self._compiled(chunk, expected)
+            if got is not None:
+                return got
         ms = list(self.cre.finditer(chunk))
         if len(ms) != expected:
             return None
@@ -136,6 +159,19 @@ class ColumnFormat:
         if any(e - s > limit for s, e in spans):
             return None
         return Rows([s for s, _ in spans], [e for _, e in spans], [m.groups() for m in ms])
+
+    def _compiled(self, chunk: bytes, expected: int) -> Rows | None:
+        """The compiled core's rows; None when it leaves the chunk to the regex (it did not
+        read every line as the regex does, or its rows are not every line of the format)."""
+        assert self.core is not None
+        fn, where = self.core
+        got = fn(chunk, self.max_bytes)
+        if got is None or len(got[0]) != expected:
+            return None
+        cols: list[list[Any]] = [[]] * self.cre.groups
+        for at, col in zip(where, got[3:]):
+            cols[at] = col
+        return Rows(got[0], got[1], [], cols, got[2])
 
 
 # what may stand before a marker in a line: a literal inside a marker is inert only when no
@@ -264,18 +300,29 @@ def apply(
     per-minute cache, any other head through ``parse_bytes`` as the line engine reads it.
     """
     starts = rows.starts[lo:hi]
-    groups = rows.groups[lo:hi]
-    cols = list(zip(*groups))
-    # line numbers: newlines before each row, counted from the previous one (one when the row
-    # starts right after the previous row's newline)
     count = chunk.count
-    ends = rows.ends[lo:hi]
-    prev_starts = [pos, *starts[:-1]]
-    prev_ends = [-2, *ends[:-1]]
-    gaps = [
-        1 if s == e + 1 else count(b"\n", a, s) for a, e, s in zip(prev_starts, prev_ends, starts)
-    ]
-    lines = [n + 1 for n in accumulate(gaps, initial=line_no)][1:]
+    typed = rows.cols is not None  # the compiled core's: numbers converted already
+    if rows.cols is not None and rows.lines is not None:
+        cols: list[Sequence[Any]] = [c[lo:hi] for c in rows.cols]
+        # line numbers: the newlines from pos to the first row, then the core's line indexes
+        idx = rows.lines
+        first_line = line_no + count(b"\n", pos, starts[0]) + 1 - idx[lo]
+        lines = [first_line + i for i in idx[lo:hi]]
+        end_line = lines[-1] - 1
+    else:
+        groups = rows.groups[lo:hi]
+        cols = list(zip(*groups))
+        # line numbers: newlines before each row, counted from the previous one (one when the
+        # row starts right after the previous row's newline)
+        ends = rows.ends[lo:hi]
+        prev_starts = [pos, *starts[:-1]]
+        prev_ends = [-2, *ends[:-1]]
+        gaps = [
+            1 if s == e + 1 else count(b"\n", a, s)
+            for a, e, s in zip(prev_starts, prev_ends, starts)
+        ]
+        lines = [n + 1 for n in accumulate(gaps, initial=line_no)][1:]
+        end_line = line_no + sum(gaps)
     n = len(starts)
     keys = fmt.keys
 
@@ -293,11 +340,8 @@ def apply(
     stage_changed = False
     if stages_raw is not None:
         cache = fmt.plan.stages
-        norm: list[str | None] = []
-        for b in stages_raw:
-            if b is None:
-                norm.append(None)
-                continue
+        table: dict[Any, str | None] = {None: None}
+        for b in set(stages_raw) - {None}:  # a handful of distinct values
             st = cache.get(b, "")
             if st == "":
                 if len(cache) > 64:
@@ -305,13 +349,10 @@ def apply(
                 st = cache[b] = normalize_stage(
                     b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b)
                 )
-            norm.append(st or None)
+            table[b] = st or None
+        norm: list[str | None] = list(map(table.__getitem__, stages_raw))
         stages = _ffill(norm, state.stage)
-        prev = state.stage
-        for st in stages:
-            if st != prev:
-                stage_changed = True
-                break
+        stage_changed = stages.count(state.stage) != len(stages)
     else:
         stages = [state.stage] * n
 
@@ -319,7 +360,7 @@ def apply(
         raw = state_col(key)
         if raw is None:
             return [current] * n, [False] * n
-        vals = _ints(raw)
+        vals = raw if typed and keys[key][0] is None else _ints(raw)
         given = [v is not None for v in vals]
         return _ffill(vals, current), given
 
@@ -339,7 +380,7 @@ def apply(
         and None not in per_epoch
         and 0 not in epochs
         and 0 not in per_epoch
-        and all(st == "train" for st in stages)
+        and stages.count("train") == n
     ):
         # the common case at once: training rows of an epoch-based loop counted from 1
         steps = [(e - 1) * p + i for e, i, p in zip(epochs, iters_in, per_epoch)]  # type: ignore[operator]
@@ -362,7 +403,10 @@ def apply(
 
     # times: the _date/_sec groups through the per-minute cache, else the line's head
     times: list[str | None] = []
-    if fmt.date >= 0:
+    fast = _typed_times(cols[fmt.date], cols[fmt.sec], tp) if typed and fmt.date >= 0 else None
+    if fast is not None:
+        times = fast
+    elif fmt.date >= 0:
         dates, secs, heads = cols[fmt.date], cols[fmt.sec], cols[fmt.head]
         whole = _WHOLE
         minute = tp.minute
@@ -390,7 +434,13 @@ def apply(
     names = Metric._fields[7:]
     values: dict[str, list[float | None]] = {}
     for name, spec in zip(names, specs):
-        values[name] = [None] * n if spec is None else _floats(cols[spec[0]], spec[1])
+        if spec is None:
+            values[name] = [None] * n
+        elif typed:
+            col = list(cols[spec[0]])
+            values[name] = [None if v is None else v / 1000.0 for v in col] if spec[1] else col
+        else:
+            values[name] = _floats(cols[spec[0]], spec[1])
     for name in names:
         values.setdefault(name, [None] * n)
 
@@ -439,9 +489,29 @@ def apply(
         lr=values["lr"],
         memory=values["memory"],
     )
-    end_line = line_no + sum(gaps)
     end_pos = starts[-1] if n else pos
     return columns, end_line, end_pos, first_epoch
+
+
+def _typed_times(
+    dates: Sequence[bytes | None], secs: Sequence[int | None], tp: TimeParser
+) -> list[str | None] | None:
+    """The compiled core's rows' times when every row has a date on a UTC minute and a whole
+    second below 60 (each minute looked up once, as the row-by-row loop does); else None."""
+    if not secs or None in dates or None in secs:
+        return None
+    known = cast("Sequence[bytes]", dates)
+    seconds = cast("Sequence[int]", secs)
+    if max(seconds) >= 60:
+        return None
+    prefixes: dict[bytes, str] = {}
+    for d in dict.fromkeys(known):  # distinct minutes, in row order
+        at, prefix = tp.minute(d)
+        if at is False or prefix is None:
+            return None
+        prefixes[d] = prefix
+    whole = _WHOLE
+    return [prefixes[d] + whole[s] for d, s in zip(known, seconds)]
 
 
 _WHOLE = tuple(f"{s:02d}.000Z" for s in range(60))

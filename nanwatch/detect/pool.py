@@ -30,6 +30,7 @@ from typing import Any
 
 from ..events import Event
 from ..stream import StreamState
+from .core import zip_rows
 from .engine import Detector
 
 DEPTH = 3  # chunks in flight per worker: one being processed, two queued (the writer may be
@@ -60,6 +61,15 @@ def usable_workers() -> int:
     return n
 
 
+def _rows(cols: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Metric rows (plain tuples) back from their columns; the compiled core's zip when built."""
+    if not cols:
+        return []
+    fast = zip_rows()
+    got = fast(tuple, tuple(cols)) if fast is not None else None
+    return got if got is not None else list(zip(*cols))
+
+
 def _serve(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int) -> None:
     states: dict[int, StreamState] = {}
     while True:
@@ -78,8 +88,10 @@ def _serve(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: i
         except BaseException:
             conn.send(("error", sid, traceback.format_exc()))
             return
-        # plain tuples pickle (and unpickle) in a fraction of a dataclass's time
-        conn.send((sid, [astuple(e) for e in events], [tuple(m) for m in metrics], work, facts))
+        # plain tuples pickle (and unpickle) in a fraction of a dataclass's time; metric rows go
+        # as columns (one tuple per field): a tuple per row cost more to unpickle than to detect
+        cols = list(zip(*metrics))
+        conn.send((sid, [astuple(e) for e in events], cols, work, facts))
 
 
 def _run(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int) -> None:
@@ -240,7 +252,8 @@ class DetectorPool:
             raise RuntimeError(f"detection worker {w} died") from None
         if msg[0] == "error":
             raise RuntimeError(f"detection failed in a worker:\n{msg[2]}")
-        _, events, metrics, state, facts = msg
+        _, events, cols, state, facts = msg
+        metrics = _rows(cols)
         chunk, size, lines, slot = s.sent.popleft()
         self._free[w].append(slot)
         return (

@@ -183,7 +183,7 @@ def speed_report() -> str:
     backend = backend_name()
     columns = "off (NANWATCH_COLUMNS=0)" if os.environ.get("NANWATCH_COLUMNS") == "0" else "on"
     note = "" if backend == "hyperscan" else " (pip install 'nanwatch[speed]' adds hyperscan)"
-    return (
-        f"literal prefilter: {backend}{note}; iteration lines read as columns: {columns}, "
-        "pure Python"
-    )
+    from .core import status
+
+    core = "compiled core" if status()[0] else "pure Python"
+    return f"literal prefilter: {backend}{note}; iteration lines read as columns: {columns}, {core}"
