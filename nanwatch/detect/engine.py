@@ -75,6 +75,7 @@ _LINE_EPOCH = re.compile(
     r"|[Ee]poch[ \t]{0,2}:?[ \t]{0,2}\[?[ \t]{0,2}(\d{1,5})\b(?![.\d]))"
 )
 _LINE_STEP = re.compile(r"\[(?:step|Step|STEP|global_step)\][ \t]{0,3}[:=]?[ \t]{0,3}(\d{1,12})\b")
+AHEAD_MAX = 256  # reports per chunk that may look at the lines after them for their step
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
 
@@ -262,6 +263,19 @@ class Detector:
                 else e
                 for e in f.events
             ]
+        # a report with no counters at all, just before a logged step: that step's
+        looked = 0
+        for i, e in enumerate(f.events):
+            if e.epoch is not None or e.iter is not None or e.step is not None:
+                continue
+            if looked >= AHEAD_MAX or e.offset is None or not 0 <= e.offset - f.base < len(chunk):
+                break
+            looked += 1
+            nxt = progress.after(chunk, e.offset - f.base)
+            if nxt is not None:
+                f.events[i] = dataclasses.replace(
+                    e, epoch=nxt.epoch, iter=nxt.iter, step=nxt.step, stage=e.stage or nxt.stage
+                )
         # no stage unless the text names one (a progress line, a traceback frame, the entry
         # script): an inference server or an evaluation script is not training
         return f.events, f.metrics
@@ -983,23 +997,25 @@ class Detector:
             stage = line_progress.stage
         if stage is None and rule.kind == "nan" and progress.training_value(text):
             stage = "train"  # a loss or gradient gone non-finite, nothing says in evaluation
-        if (
+        uncounted = (
             state.epoch is None
             and state.iter is None
             and state.step is None
             and not {"epoch", "iter", "step"} & attrs.keys()
-        ):
-            # a report with no counters of its own, in a stream no progress rule knew: the last
-            # logged step before it says where the run was (and in which mode)
+        )
+        if uncounted or stage is None:
+            # a report with no counters (or no mode) of its own, in a stream no progress rule
+            # knew: the last logged step before it says where the run was, and in which mode
             floor, last = f.looked if f.looked is not None and f.looked[0] <= start else (0, None)
             nearer = progress.before(f.chunk, start, floor=floor)
             last = nearer or last
             f.looked = (start, last)
             if last is not None:
-                for k in ("epoch", "iter", "step"):
-                    v = getattr(last, k)
-                    if v is not None:
-                        attrs[k] = v
+                if uncounted:
+                    for k in ("epoch", "iter", "step"):
+                        v = getattr(last, k)
+                        if v is not None:
+                            attrs[k] = v
                 if stage is None:
                     stage = last.stage
         rank = prefix_attrs.get("rank", attrs.get("rank"))

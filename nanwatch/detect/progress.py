@@ -13,8 +13,8 @@ them knows the line: it finds
   bracket ``600 / 1000]``) as the iteration;
 - the stage: the mode words on the line (``Training:``, ``[Epoch 0 / Train]``, ``val loss``);
   mode words that disagree (nanoGPT's ``train loss 4.03, val loss 4.04``) say nothing, and a
-  plain loss beside a counter with no mode word is a training step's (evaluation loops print
-  ``val_loss`` or name their mode).
+  plain loss with no mode word is a training step's (evaluation loops print ``val_loss`` or name
+  their mode).
 
 It reads one line and keeps nothing; the engine calls it on the lines of events only (a NaN
 metric's own line, and the lines before a failure report that has no counters of its own), so
@@ -111,7 +111,7 @@ def read(text: str) -> LineProgress | None:
     stage: str | None = None
     if len(stages) == 1:
         stage = stages.pop()
-    elif not stages and plain and (epoch is not None or it is not None or step is not None):
+    elif not stages and plain:
         stage = "train"
     rank_m = _RANK.search(text)
     return LineProgress(
@@ -147,8 +147,8 @@ def training_value(text: str) -> bool:
 def before(
     chunk: bytes, start: int, lines: int = 200, span: int = 32768, floor: int = 0
 ) -> LineProgress | None:
-    """The nearest line before ``start`` in ``chunk`` that prints a loss beside a counter (the
-    last logged step before a failure report), looking back at most ``lines`` lines and
+    """The nearest line before ``start`` in ``chunk`` that prints a loss (the last logged step
+    before a failure report: its counters and its mode), looking back at most ``lines`` lines and
     ``span`` bytes, none below ``floor``; the epoch may come from a line above it (Keras
     prints ``Epoch 3/10`` on a line of its own)."""
     lo = max(floor, start - span)
@@ -163,9 +163,9 @@ def before(
         if p is None:
             continue
         if found is None:
-            if p.loss and p.counted:
+            if p.loss:
                 found = p
-                if found.epoch is not None:
+                if found.epoch is not None or not found.counted:
                     return found
             continue
         if p.epoch is not None and not p.loss:
@@ -173,3 +173,20 @@ def before(
                 found.loss, found.stage, p.epoch, found.iter, found.step, found.rank
             )
     return found
+
+
+def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
+    """The logged step within ``lines`` lines after the line at ``start``, when one prints a
+    loss beside a counter: a report printed just before a step's log line (a skipped step's
+    overflow notice, a warning raised inside the step) belongs to that step."""
+    end = chunk.find(b"\n", start)
+    for _ in range(lines):
+        if end < 0:
+            return None
+        nxt = chunk.find(b"\n", end + 1)
+        text = chunk[end + 1 : nxt if nxt >= 0 else len(chunk)].decode("utf-8", "replace")
+        p = read(text)
+        if p is not None and p.loss and p.counted:
+            return p
+        end = nxt
+    return None

@@ -110,3 +110,23 @@ def test_a_nan_loss_with_no_stage_anywhere_is_trainings() -> None:
     assert ev.kind == "nan" and ev.stage == "train"
     (ev,) = _events("metrics: reward_mean: nan\n")
     assert ev.kind == "nan" and ev.stage is None
+
+
+def test_a_report_just_before_a_logged_step_is_that_steps() -> None:
+    """The notice comes first, the step's log line after it; nothing came before."""
+    events = _events(
+        "12:00:01 [W] grad scaler: overflow, scale lowered to 512.0\n"
+        "12:00:01 [I] ep 2/90 | step 340/1200 | loss: nan | lr: 0.01\n"
+    )
+    assert events and all(e.step == 340 and e.epoch == 2 for e in events)
+
+
+def test_the_look_ahead_reads_only_the_next_lines() -> None:
+    chunk = b"warning\n\n\n\n\nstep 12 loss: 0.4\n"
+    assert progress.after(chunk, 0) is None
+    assert progress.after(chunk, 0, lines=5) is not None
+
+
+def test_a_plain_loss_line_with_no_counters_names_training() -> None:
+    (ev,) = _events("loss:0.6931 acc:0.5012\nloss:0.6929 acc:0.5020\nKilled\n")
+    assert ev.kind == "process_failure" and ev.stage == "train" and ev.step is None
