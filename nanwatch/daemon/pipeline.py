@@ -10,20 +10,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..correlate import Change, Correlator
 from ..detect import Detector, RuleSet
 from ..errors import StoreError
-from ..notify.forward import Forwarder
-from ..notify.outbox import Outbox, Result, Sender, Sink
 from ..sources import Root, Tracker, make_roots
-from ..sources.identity import this_node
-from ..sources.watcher import Watcher, choose_mode
 from ..store import Store
 from ..store.db import damaged, is_damage
 from .committer import Committer, Stats
 from .passes import Passes
+
+# `scan` reads once and, without --notify, delivers nothing: the watcher, the sender and the
+# fleet forwarder load where `watch` (or a configured sink) first needs them
+if TYPE_CHECKING:
+    from ..notify.forward import Forwarder
+    from ..notify.outbox import Outbox, Result, Sender, Sink
+    from ..sources.watcher import Watcher
 
 log = logging.getLogger("nanwatch")
 
@@ -99,6 +103,9 @@ class Pipeline:
         # fleet mode: what `watch` commits goes on to the fleet store after its pass
         self.forwarder: Forwarder | None = None
         if live and config.fleet.dsn:
+            from ..notify.forward import Forwarder
+            from ..sources.identity import this_node
+
             self.forwarder = Forwarder(config, node=this_node(config.cluster.node))
 
     # -- what the passes hold (read by the CLI, the daemon's status and tests) -------------------
@@ -204,6 +211,8 @@ class Pipeline:
         outbox = self.outbox
         if outbox is None:
             return 0
+        from ..notify.outbox import Sender
+
         sender = Sender(str(self.store.path), self.sinks)
         reader = Store.open(self.store.path, readonly=True)
         end = time.monotonic() + deadline
@@ -238,6 +247,9 @@ class Pipeline:
         them (a pass paused on an unwritable database still ticks: it is alive and says why).
         ``reconfigure()`` called from ``on_tick`` takes effect before the next pass.
         """
+        from ..notify.outbox import Sender
+        from ..sources.watcher import Watcher, choose_mode
+
         mode, reason = choose_mode(self.config.sources.mode, self.roots)
         self._stop = stop
         wake = self.wake
@@ -343,6 +355,8 @@ class Pipeline:
         """Record delivery results (writer thread) and count them for the metrics."""
         if not results:
             return
+        from ..notify.outbox import Outbox
+
         for r in results:
             self.stats.deliveries["ok" if r.ok else "given_up" if r.permanent else "failed"] += 1
         (self.outbox or Outbox(self.store, self.sinks)).record(results)
@@ -366,6 +380,8 @@ class Pipeline:
 
     def _rewatch(self, watcher: Watcher, mode: str) -> str:
         """After a reload: watch new roots, forget old ones, pick the mode again."""
+        from ..sources.watcher import choose_mode
+
         wanted, reason = choose_mode(self.config.sources.mode, self.roots)
         if wanted == "inotify" and not watcher.sync_roots():
             wanted, reason = "poll", "inotify watches could not be added (fs.inotify limits)"
@@ -382,6 +398,8 @@ class Pipeline:
             return sender
         if not self.sinks:
             return None
+        from ..notify.outbox import Sender
+
         sender = Sender(str(self.store.path), self.sinks, notify=self.wake.set)
         sender.start()
         return sender
