@@ -1,0 +1,108 @@
+"""The cache of the methods ``dataclasses`` generates: the same classes, compiled once."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nanwatch.cli._codecache import CodeCache
+
+from ..conftest import ROOT
+
+
+def _records() -> tuple[type[Any], type[Any]]:
+    """A frozen slotted record and a plain one with defaults, built now."""
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Frozen:
+        name: str
+        rank: int | None = None
+        tags: tuple[str, ...] = ()
+
+    @dataclasses.dataclass
+    class Plain:
+        n: int
+        seen: list[int] = dataclasses.field(default_factory=list)
+        note: str = dataclasses.field(default="", repr=False, compare=False)
+
+    return Frozen, Plain
+
+
+def _behaviour(build: Callable[[], tuple[type[Any], type[Any]]]) -> list[str]:
+    """What the classes do, spelt out (classes built twice are different objects)."""
+    frozen, plain = build()
+    a, b = frozen("x", 3), frozen("x", 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.rank = 4
+    p = plain(1)
+    p.seen.append(2)
+    seen = [
+        a == b,
+        hash(a) == hash(b),
+        repr(a),
+        dataclasses.astuple(a),
+        dataclasses.replace(a, rank=5),
+        copy.deepcopy(a) == a,
+        frozen.__match_args__,
+        [f.name for f in dataclasses.fields(plain)],
+        repr(p),
+        p == plain(1, [2], note="other"),
+        plain(2).seen is not plain(2).seen,
+        frozen.__init__.__annotations__,
+    ]
+    return [repr(x) for x in seen]
+
+
+def test_classes_built_from_the_cache_are_the_classes_built_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "code.marshal"
+    without = _behaviour(_records)
+    cache = CodeCache(path)
+    monkeypatch.setattr(dataclasses, "exec", cache.exec, raising=False)
+    first = _behaviour(_records)
+    assert cache.new > 0
+    cache.save()
+    again = CodeCache(path)  # the next start
+    monkeypatch.setattr(dataclasses, "exec", again.exec, raising=False)
+    second = _behaviour(_records)
+    assert again.new == 0  # nothing compiled: every method came from the file
+    assert without == first == second
+
+
+def test_a_cache_file_others_could_write_is_not_run(tmp_path: Path) -> None:
+    path = tmp_path / "code.marshal"
+    cache = CodeCache(path)
+    cache.exec("def f():\n return 1\n", {}, {})
+    cache.save()
+    assert len(CodeCache(path).codes) == 1
+    path.chmod(0o666)
+    assert CodeCache(path).codes == {}
+    path.chmod(0o600)
+    path.write_bytes(b"not marshal data")
+    assert CodeCache(path).codes == {}
+
+
+def test_a_second_scan_compiles_no_generated_method(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.log"
+    empty.write_bytes(b"")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
+    env.update(PYTHONPATH=str(ROOT), NANWATCH_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "nanwatch", "scan", "--db", str(tmp_path / "nw.db"), str(empty)]
+
+    def scan() -> os.stat_result:
+        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tmp_path, timeout=120)
+        (found,) = (tmp_path / "cache").glob("dataclass-code-*.marshal")
+        return found.stat()
+
+    first = scan()
+    second = scan()  # read the cache, wrote nothing: the same file
+    assert (second.st_ino, second.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
