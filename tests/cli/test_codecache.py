@@ -64,31 +64,38 @@ def _behaviour(build: Callable[[], tuple[type[Any], type[Any]]]) -> list[str]:
 def test_classes_built_from_the_cache_are_the_classes_built_without(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "code.marshal"
     without = _behaviour(_records)
-    cache = CodeCache(path)
+    cache = CodeCache(tmp_path, modules=(__name__,))
     monkeypatch.setattr(dataclasses, "exec", cache.exec, raising=False)
     first = _behaviour(_records)
     assert cache.new > 0
     cache.save()
-    again = CodeCache(path)  # the next start
+    assert [p.name for p in tmp_path.iterdir()] == [f"{__name__}.marshal"]
+    again = CodeCache(tmp_path, modules=(__name__,))  # the next start
     monkeypatch.setattr(dataclasses, "exec", again.exec, raising=False)
     second = _behaviour(_records)
     assert again.new == 0  # nothing compiled: every method came from the file
     assert without == first == second
 
 
-def test_a_cache_file_others_could_write_is_not_run(tmp_path: Path) -> None:
-    path = tmp_path / "code.marshal"
-    cache = CodeCache(path)
-    cache.exec("def f():\n return 1\n", {}, {})
+def test_only_the_named_modules_classes_and_no_file_others_could_write(tmp_path: Path) -> None:
+    def compiled(cache: CodeCache, module: str) -> int:
+        ns: dict[str, Any] = {}
+        cache.exec("def f():\n return 1\n", {"__name__": module}, ns)
+        assert ns["f"]() == 1
+        return cache.new
+
+    cache = CodeCache(tmp_path, modules=("nanwatch",))
+    assert compiled(cache, "somebody.else") == 0  # compiled as dataclasses would, not kept
+    assert compiled(cache, "nanwatch.store.records") == 1
     cache.save()
-    assert len(CodeCache(path).codes) == 1
+    path = tmp_path / "nanwatch.store.records.marshal"
+    assert compiled(CodeCache(tmp_path), "nanwatch.store.records") == 0
     path.chmod(0o666)
-    assert CodeCache(path).codes == {}
+    assert compiled(CodeCache(tmp_path), "nanwatch.store.records") == 1
     path.chmod(0o600)
     path.write_bytes(b"not marshal data")
-    assert CodeCache(path).codes == {}
+    assert compiled(CodeCache(tmp_path), "nanwatch.store.records") == 1
 
 
 def test_a_second_scan_compiles_no_generated_method(tmp_path: Path) -> None:
@@ -98,11 +105,11 @@ def test_a_second_scan_compiles_no_generated_method(tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(ROOT), NANWATCH_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "nanwatch", "scan", "--db", str(tmp_path / "nw.db"), str(empty)]
 
-    def scan() -> os.stat_result:
+    def scan() -> dict[str, tuple[int, int]]:
         subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tmp_path, timeout=120)
-        (found,) = (tmp_path / "cache").glob("dataclass-code-*.marshal")
-        return found.stat()
+        found = (tmp_path / "cache").glob("dataclass-code-*/*.marshal")
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in found}
 
     first = scan()
-    second = scan()  # read the cache, wrote nothing: the same file
-    assert (second.st_ino, second.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    assert "nanwatch.store.records.marshal" in first and "nanwatch.config.marshal" in first
+    assert scan() == first  # read the cache, wrote nothing: the same files
