@@ -398,10 +398,17 @@ class Metrics:
         new = cols
         grown = None
         if source_id is not None:
-            new = cols = self._unseen(source_id, lo, hi, cols)
-            if not len(cols):
-                return 0
-            grown = self._after_small_block(run_id, source_id, cols)
+            last = self._conn.execute(
+                f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
+                "ORDER BY last_offset DESC LIMIT 1",
+                (source_id,),
+            ).fetchone()
+            # (id, run_id, source_id, the summary columns from first_offset on..., data)
+            if last is not None and last[4] >= lo:  # else no stored block reaches this far
+                new = cols = self._unseen(source_id, lo, hi, cols)
+                if not len(cols):
+                    return 0
+            grown = self._after_small_block(last, run_id, cols)
         summary, data = grown or (_summary(cols), encode(cols))
         self.store.execute(
             f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -410,19 +417,14 @@ class Metrics:
         return len(new)
 
     def _after_small_block(
-        self, run_id: int | None, source_id: int, cols: MetricColumns
+        self, row: tuple[Any, ...] | None, run_id: int | None, cols: MetricColumns
     ) -> tuple[tuple[object, ...], bytes] | None:
         """A live pass reads a line or two per file: appended to the source's last block while
         it is small, they cost a few bytes each instead of a block's overhead. The grown block
         is written anew (a new id: readers that follow ids see it; what they had seen of it
         is known to them by offset or step), keyed by the same first offset. Returns its
-        summary columns and data, or None (``cols`` make a block of their own)."""
-        row = self._conn.execute(
-            f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
-            "ORDER BY last_offset DESC LIMIT 1",
-            (source_id,),
-        ).fetchone()
-        # (id, run_id, source_id, the summary columns from first_offset on..., data)
+        summary columns and data, or None (``cols`` make a block of their own). ``row``: the
+        source's last block (the one with the highest last offset), if it has one."""
         if row is None:
             return None
         n = row[5] + len(cols)
