@@ -539,6 +539,21 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     )
 
 
+def _toml() -> Any:
+    """The TOML parser, imported when a file is read (a command without --config reads none)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 images
+        import tomli as tomllib
+    return tomllib
+
+
+def __getattr__(name: str) -> Any:
+    if name == "tomllib":  # the parser config files are read with, for the tests of examples
+        return _toml()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_config(path: str | os.PathLike[str] | None) -> Config:
     """Load and validate a config file; ``None`` gives the defaults."""
     if path is None:
@@ -552,10 +567,7 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         ) from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read the config file ({e.strerror})") from None
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - exercised on 3.10 images
-        import tomli as tomllib
+    tomllib = _toml()
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
