@@ -49,22 +49,26 @@ class CodeCache:
     def exec(self, source: Any, globals: dict[str, Any] | None = None, locals: Any = None) -> None:
         # dataclasses runs a class's methods with the globals of the module defining it
         module = globals.get("__name__") if globals is not None else None
-        if type(source) is str and self._ours(module):
-            assert isinstance(module, str)
-            codes = self.codes.get(module)
-            if codes is None:
-                codes = self.codes[module] = self._load(module)
-            code = codes.get(source)
-            if code is None:
-                # dont_inherit: compiled with dataclasses' own (empty) future flags, as its
-                # exec() of the text would be, not with this module's
-                code = compile(source, "<string>", "exec", dont_inherit=True)
-                codes[source] = code
-                self.dirty.add(module)
-                self.new += 1
-            self.used.setdefault(module, set()).add(source)
-            source = code
-        builtins.exec(source, globals, locals)
+        if type(source) is not str:
+            builtins.exec(source, globals, locals)
+            return
+        if not self._ours(module):
+            # compiled here, not by exec(): exec() of a text would take this module's future
+            # flags (annotations as text) instead of those of dataclasses
+            builtins.exec(compile(source, "<string>", "exec", dont_inherit=True), globals, locals)
+            return
+        assert isinstance(module, str)
+        codes = self.codes.get(module)
+        if codes is None:
+            codes = self.codes[module] = self._load(module)
+        code = codes.get(source)
+        if code is None:
+            code = compile(source, "<string>", "exec", dont_inherit=True)
+            codes[source] = code
+            self.dirty.add(module)
+            self.new += 1
+        self.used.setdefault(module, set()).add(source)
+        builtins.exec(code, globals, locals)
 
     def _path(self, module: str) -> Path | None:
         return None if self.folder is None else self.folder / f"{module}.marshal"
