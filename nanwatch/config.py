@@ -6,7 +6,6 @@ the key and the fix (for a misspelt key: the nearest valid one).
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -20,13 +19,9 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 images
-    import tomli as tomllib
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
-_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w|y))+$")
+# patterns compile on first use (``re``'s own cache): most commands parse no duration or size
+_DURATION_PART = r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)"
+_DURATION = r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w|y))+$"
 _UNIT = {
     "ms": 0.001,
     "s": 1.0,
@@ -59,8 +54,8 @@ def parse_duration(value: object, *, where: str = "duration") -> float:
         text = value.strip().replace(" ", "")
         if re.fullmatch(r"\d+(?:\.\d+)?", text):
             return float(text)
-        if _DURATION.match(text):
-            return sum(float(n) * _UNIT[u] for n, u in _DURATION_PART.findall(text))
+        if re.match(_DURATION, text):
+            return sum(float(n) * _UNIT[u] for n, u in re.findall(_DURATION_PART, text))
     raise ConfigError(f"{where}: expected a duration such as {_DURATION_EXAMPLES}, got {value!r}")
 
 
@@ -80,7 +75,7 @@ def format_duration(seconds: float) -> str:
     return "".join(out)
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b?|b)?\s*$", re.I)
+_SIZE = r"(?i)^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b?|b)?\s*$"
 _SIZE_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 
 
@@ -89,7 +84,7 @@ def parse_size(value: object, *, where: str = "size") -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str):
-        m = _SIZE.match(value)
+        m = re.match(_SIZE, value)
         if m:
             unit = (m.group(2) or "").lower()
             factor = _SIZE_UNIT[unit[:1]]
@@ -483,6 +478,8 @@ _SCHEMA: dict[str, dict[str, _Conv]] = {
 
 
 def _nearest(name: str, options: list[str]) -> str:
+    import difflib  # only to name a misspelt key
+
     near = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     if near:
         return f"did you mean {near[0]!r}?"
@@ -542,6 +539,21 @@ def parse_config(data: Mapping[str, Any], *, path: Path | None = None) -> Config
     )
 
 
+def _toml() -> Any:
+    """The TOML parser, imported when a file is read (a command without --config reads none)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 images
+        import tomli as tomllib
+    return tomllib
+
+
+def __getattr__(name: str) -> Any:
+    if name == "tomllib":  # the parser config files are read with, for the tests of examples
+        return _toml()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_config(path: str | os.PathLike[str] | None) -> Config:
     """Load and validate a config file; ``None`` gives the defaults."""
     if path is None:
@@ -555,6 +567,7 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         ) from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read the config file ({e.strerror})") from None
+    tomllib = _toml()
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

@@ -1,6 +1,7 @@
-"""Stage 4: correlation. Events become incidents with one root cause and an origin."""
+"""Stage 4: correlation. Events become incidents with one root cause and an origin.
 
-from . import nan as _nan  # noqa: F401  (registers the NaN origin function)
+Kind-specific origin functions (``nan``) are imported by ``origin.origin_for`` on first use."""
+
 from .incidents import Change, Correlator, fingerprint
 
 __all__ = ["Change", "Correlator", "fingerprint"]

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..events import format_utc, now_utc
 from ..store.db import Store
@@ -44,9 +45,11 @@ from .chains import (
     roots_of_run,
     torn_down,
 )
-from .knowledge import Knowledge
 from .origin import origin_for, origin_of
 from .story import describe
+
+if TYPE_CHECKING:
+    from .knowledge import Knowledge
 
 _NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 _PATH = re.compile(r"(?:/[\w.\-]+)+")
@@ -103,19 +106,27 @@ class Correlator:
         store: Store,
         *,
         timeouts: Timeouts | None = None,
-        knowledge: Knowledge | None = None,
+        knowledge: Knowledge | Callable[[], Knowledge] | None = None,
         resolve_after: float | None = None,
     ) -> None:
+        """``knowledge`` may be a function that loads it: called when a first incident needs
+        its hints (a scan that finds nothing never reads the knowledge base)."""
         self.store = store
         self.events = Events(store)
         self.incidents = Incidents(store)
         self.metrics = MetricReads(store)
         self.timeouts = timeouts or Timeouts()
-        self.knowledge = knowledge
+        self._knowledge = knowledge
         self.resolve_after = resolve_after
         self._pending_changes: list[Change] = []
         # the (metrics, incidents) ids relaunches were last looked at
         self._relaunch_upto: tuple[int | None, int | None] | None = None
+
+    @property
+    def knowledge(self) -> Knowledge | None:
+        if callable(self._knowledge):
+            self._knowledge = self._knowledge()
+        return self._knowledge
 
     def process(
         self, *, live: bool = False, now: float | None = None, slowdowns: bool = True

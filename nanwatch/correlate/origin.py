@@ -22,6 +22,7 @@ ended, only that it stopped responding.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +46,9 @@ OriginFn = Callable[[Events, Incident], Origin]
 """(the events, the incident) -> its origin."""
 
 _REGISTRY: dict[str, OriginFn] = {}
+# kinds whose origin function lives in a module of its own, imported when an incident of that
+# kind is first looked at (NaN localisation pulls in the msprobe name tables)
+_PROVIDERS = {"nan": ".nan"}
 
 
 def register(kind: str) -> Callable[[OriginFn], OriginFn]:
@@ -56,6 +60,9 @@ def register(kind: str) -> Callable[[OriginFn], OriginFn]:
 
 
 def origin_for(kind: str) -> OriginFn:
+    provider = _PROVIDERS.get(kind)
+    if provider is not None and kind not in _REGISTRY:
+        importlib.import_module(provider, __package__)  # registers its function
     return _REGISTRY.get(kind, earliest_event_origin)
 
 

@@ -18,9 +18,8 @@ once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from statistics import median
 from typing import NamedTuple
 
 from ..events import Event
@@ -32,6 +31,15 @@ MIN_INCREASE = 0.05  # seconds per step: millisecond steps jitter by 50% without
 SKIP = 2  # warm-up steps
 WINDOW = 9  # steps in the baseline and in the rolling window (odd: its median is one of them)
 META_KEY = "slowdown_blocks_upto"
+
+
+def median(xs: Iterable[float]) -> float:
+    """``statistics.median``, without the import (decimal, fractions, random) at every start."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("median of no data")
+    i = len(s) // 2
+    return s[i] if len(s) % 2 else (s[i - 1] + s[i]) / 2
 
 
 def _mark(baseline: float) -> float:

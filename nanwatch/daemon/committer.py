@@ -70,6 +70,19 @@ def _ids_undone(records: Iterable[SourceRecord]) -> Iterator[None]:
         raise
 
 
+def _widen(
+    spans: dict[int, tuple[str, str]], run_id: int, times: list[str | None], metrics: MetricRows
+) -> None:
+    """Stretch ``spans[run_id]`` (first, last time) over event times and metric rows' times."""
+    known = [t for t in times if t]
+    known.extend(m[6] for m in metrics if m[6])
+    if not known:
+        return
+    lo, hi = min(known), max(known)
+    was = spans.get(run_id)
+    spans[run_id] = (lo, hi) if was is None else (min(was[0], lo), max(was[1], hi))
+
+
 def stored(
     rec: SourceRecord, chunk: Chunk | None = None, state: StreamState | None = None
 ) -> Source:
@@ -177,6 +190,7 @@ class Committer:
         ingested = self.now_utc()
         counted: Counter[str] = Counter()
         metrics = 0
+        spans: dict[int, tuple[str, str]] = {}
         with self.store.transaction():
             # what launchers printed first: a rank's events read in the same batch as the
             # launcher's log get their local ranks from it
@@ -203,9 +217,10 @@ class Committer:
                     counted.update(e.kind for e in p.events)
                 if rec.run_id is not None:
                     # a run's start and end as its logs tell them (`runs`, datasette)
-                    self.store.widen_run_span(
-                        rec.run_id, [e.time for e in events] + [m[6] for m in p.metrics]
-                    )
+                    _widen(spans, rec.run_id, [e.time for e in events], p.metrics)
+            # one update per run, not per chunk (a live pass has a chunk per rank log)
+            for run_id, (lo, hi) in spans.items():
+                self.store.widen_run_span(run_id, [lo, hi])
         # counted once committed: a refused batch is written again later
         self.stats.events.update(counted)
         self.stats.metrics += metrics

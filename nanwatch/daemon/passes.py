@@ -14,17 +14,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..correlate import Change, Correlator
 from ..correlate.chains import Timeouts
-from ..correlate.knowledge import Knowledge
-from ..correlate.shapes import ShapeResolver
-from ..detect import Detector, RuleSet, load_rules
-from ..detect.msprobe import MonitorReader
-from ..detect.msprobe.reader import Rewritten
-from ..detect.pool import DetectorPool, Done, usable_workers
-from ..notify.outbox import Outbox, Sink
+from ..detect.engine import Detector
+from ..detect.msprobe.reader import MonitorReader
+from ..detect.rules import RuleSet, load_rules
 from ..sources import Chunk, Root, SourceRecord, Tracker, make_roots
 from ..store import Store
 from ..store.sources import Sources
@@ -32,6 +29,15 @@ from ..stream import StreamState
 from .committer import Committer, Pending, Stats, known_records
 from .router import Route, Router
 from .run_identity import RunIdentity
+
+# what only some passes need loads when first needed: the worker pool (a scan of more than
+# POOL_MIN_BYTES), the outbox (a configured sink), the knowledge base (a first incident's
+# hints), checkpoint shapes (a first msprobe finding to explain)
+if TYPE_CHECKING:
+    from ..correlate.knowledge import Knowledge
+    from ..correlate.shapes import ShapeResolver
+    from ..detect.pool import DetectorPool, Done
+    from ..notify.outbox import Outbox, Sink
 
 BATCH_BYTES = 16 << 20  # commit at least this often during a catch-up
 BATCH_EVENTS = 50_000
@@ -42,6 +48,40 @@ POOL_MIN_BYTES = 32 << 20  # a scan reads more text than this: detect in worker 
 QUIET_CORRELATE = 60.0
 SLOWDOWN_GAP = 5.0
 SLOWDOWN_SHARE = 0.02
+
+
+def _knowledge(config: Config) -> Knowledge | Callable[[], Knowledge]:
+    """The knowledge base, or how to load it when a first incident needs hints: site folders
+    are read now, so that a bad one fails at start and names its file."""
+
+    def load() -> Knowledge:
+        from ..correlate.knowledge import Knowledge
+
+        return Knowledge.load(config.knowledge.dirs, cann_version=config.knowledge.cann_version)
+
+    return load() if config.knowledge.dirs else load
+
+
+def _shape_lookup(config: Config) -> Callable[[str | None, str, list[int] | None], Any]:
+    """Checkpoint shape look-ups for msprobe findings; the readers load on the first one."""
+    resolver: list[ShapeResolver] = []
+
+    def lookup(folder: str | None, tensor: str, shape: list[int] | None) -> Any:
+        if not resolver:
+            from ..correlate.shapes import ShapeResolver
+
+            resolver.append(ShapeResolver(config.shapes.checkpoint))
+        return resolver[0].lookup(folder, tensor, shape)
+
+    return lookup
+
+
+def _outbox(store: Store, sinks: list[Sink]) -> Outbox | None:
+    if not sinks:
+        return None
+    from ..notify.outbox import Outbox
+
+    return Outbox(store, sinks)
 
 
 class _Batch:
@@ -147,9 +187,7 @@ class Passes:
         self._run_arg = run
         self.roots = make_roots(list(paths), must_exist=not live)
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
-        self.router = Router(
-            Detector(self.rules), MonitorReader(ShapeResolver(config.shapes.checkpoint).lookup)
-        )
+        self.router = Router(Detector(self.rules), MonitorReader(_shape_lookup(config)))
         self.stats = Stats()
         self.identity = RunIdentity(store, config.cluster, forced_run=run or config.cluster.run)
         self.sources = Sources(store)
@@ -166,14 +204,12 @@ class Passes:
         self.correlator = Correlator(
             store,
             timeouts=Timeouts(config.knowledge.hccl_exec_timeout, config.knowledge.nccl_timeout),
-            knowledge=Knowledge.load(
-                config.knowledge.dirs, cann_version=config.knowledge.cann_version
-            ),
+            knowledge=_knowledge(config),
             resolve_after=config.alerts.resolve_after if live else None,
         )
         self.schedule = _Schedule(self.correlator, live)
         self.sinks = list(sinks)
-        self.outbox = Outbox(store, self.sinks) if self.sinks else None
+        self.outbox = _outbox(store, self.sinks)
         self.on_changes = on_changes
         self.wake = threading.Event()  # set when the next pass has work already known
         self.stop_by: float | None = None  # monotonic time after which reading stops
@@ -277,10 +313,12 @@ class Passes:
         todo = [n for r in texts if r.status == "active" and (n := _size(r.path) - r.offset) > 0]
         if len(todo) < 2 or sum(todo) < POOL_MIN_BYTES:
             return None
-        workers = min(usable_workers(), len(todo))
+        from ..detect import pool as detect_pool
+
+        workers = min(detect_pool.usable_workers(), len(todo))
         if workers < 2:
             return None
-        pool = DetectorPool(self.detector, workers)
+        pool = detect_pool.DetectorPool(self.detector, workers)
         return _Pooled(pool, pool.ordered(self.tracker.read(r, final=final) for r in texts), texts)
 
     def _take_pooled(self, rec: SourceRecord, pooled: _Pooled, batch: _Batch) -> None:
@@ -305,6 +343,8 @@ class Passes:
 
     def _snapshot(self, rec: SourceRecord) -> Pending | None:
         """A file rewritten in place (msprobe's anomaly.json): read whole when it changed."""
+        from ..detect.msprobe.dump import Rewritten
+
         if rec.status != "active":
             return None
         state = copy.copy(rec.state)
@@ -367,7 +407,7 @@ class Passes:
             self.router.detector.counters.update(counters)  # counters count since start
         if sinks is not None:
             self.sinks = list(sinks)
-            self.outbox = Outbox(self.store, self.sinks) if self.sinks else None
+            self.outbox = _outbox(self.store, self.sinks)
         # Tracker and Watcher hold this very list: change it in place.
         self.roots[:] = roots
         tracker = self.tracker

@@ -10,26 +10,36 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..correlate import Change, Correlator
 from ..detect import Detector, RuleSet
 from ..errors import StoreError
-from ..notify.forward import Forwarder
-from ..notify.outbox import Outbox, Result, Sender, Sink
 from ..sources import Root, Tracker, make_roots
-from ..sources.identity import this_node
-from ..sources.watcher import Watcher, choose_mode
 from ..store import Store
 from ..store.db import damaged, is_damage
 from .committer import Committer, Stats
 from .passes import Passes
+
+# `scan` reads once and, without --notify, delivers nothing: the watcher, the sender and the
+# fleet forwarder load where `watch` (or a configured sink) first needs them
+if TYPE_CHECKING:
+    from ..notify.forward import Forwarder
+    from ..notify.outbox import Outbox, Result, Sender, Sink
+    from ..sources.watcher import Watcher
 
 log = logging.getLogger("nanwatch")
 
 SAFETY_POLL = 30.0  # seconds between full checks when inotify is trusted
 RETRY_FIRST, RETRY_CAP = 1.0, 60.0  # seconds between attempts while the database refuses
 STOP_GRACE = 5.0  # seconds a pass may go on reading after a stop was asked for
+# a busy node wakes the loop for every write of every rank: a live pass starts no sooner than
+# this after the previous one began, so that it reads what several writes appended (a pass
+# costs about as much for one line per file as for fifty). A line after a quiet spell is read
+# at once; under load it waits at most this long (the latency bound is 100 ms at the 99th
+# percentile).
+LIVE_GAP = 0.04
 
 
 class Backoff:
@@ -99,6 +109,9 @@ class Pipeline:
         # fleet mode: what `watch` commits goes on to the fleet store after its pass
         self.forwarder: Forwarder | None = None
         if live and config.fleet.dsn:
+            from ..notify.forward import Forwarder
+            from ..sources.identity import this_node
+
             self.forwarder = Forwarder(config, node=this_node(config.cluster.node))
 
     # -- what the passes hold (read by the CLI, the daemon's status and tests) -------------------
@@ -204,6 +217,8 @@ class Pipeline:
         outbox = self.outbox
         if outbox is None:
             return 0
+        from ..notify.outbox import Sender
+
         sender = Sender(str(self.store.path), self.sinks)
         reader = Store.open(self.store.path, readonly=True)
         end = time.monotonic() + deadline
@@ -238,6 +253,9 @@ class Pipeline:
         them (a pass paused on an unwritable database still ticks: it is alive and says why).
         ``reconfigure()`` called from ``on_tick`` takes effect before the next pass.
         """
+        from ..notify.outbox import Sender
+        from ..sources.watcher import Watcher, choose_mode
+
         mode, reason = choose_mode(self.config.sources.mode, self.roots)
         self._stop = stop
         wake = self.wake
@@ -256,7 +274,7 @@ class Pipeline:
                 watcher.follow(self.tracker.link_dirs())
             if on_ready is not None:
                 on_ready()
-            last_full = time.monotonic()
+            last_full = last_pass = time.monotonic()
             while not stop.is_set():
                 poll = self.config.sources.poll_interval
                 timeout = poll if mode == "poll" else SAFETY_POLL
@@ -275,9 +293,13 @@ class Pipeline:
                     if left <= 0:
                         break
                     wake.wait(min(left, 0.5))
+                gap = LIVE_GAP - (time.monotonic() - last_pass)
+                if mode == "inotify" and gap > 0 and not stop.is_set():
+                    stop.wait(gap)
                 wake.clear()
                 if stop.is_set():
                     break
+                last_pass = time.monotonic()
                 dirty, structural = watcher.take()
                 now = time.monotonic()
                 full = (
@@ -343,6 +365,8 @@ class Pipeline:
         """Record delivery results (writer thread) and count them for the metrics."""
         if not results:
             return
+        from ..notify.outbox import Outbox
+
         for r in results:
             self.stats.deliveries["ok" if r.ok else "given_up" if r.permanent else "failed"] += 1
         (self.outbox or Outbox(self.store, self.sinks)).record(results)
@@ -366,6 +390,8 @@ class Pipeline:
 
     def _rewatch(self, watcher: Watcher, mode: str) -> str:
         """After a reload: watch new roots, forget old ones, pick the mode again."""
+        from ..sources.watcher import choose_mode
+
         wanted, reason = choose_mode(self.config.sources.mode, self.roots)
         if wanted == "inotify" and not watcher.sync_roots():
             wanted, reason = "poll", "inotify watches could not be added (fs.inotify limits)"
@@ -382,6 +408,8 @@ class Pipeline:
             return sender
         if not self.sinks:
             return None
+        from ..notify.outbox import Sender
+
         sender = Sender(str(self.store.path), self.sinks, notify=self.wake.set)
         sender.start()
         return sender

@@ -78,17 +78,24 @@ class Compiled:
             tuple(sorted(ev_at[id(r)] for r in users[lit.decode()] if id(r) in ev_at))
             for lit in lits
         ]
-        # One cheap bytes check tells whether a chunk-rule line carries a prefix at all.
-        alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in rules.prefixes]
-        self.any_prefix: Any = None
-        if alts:
-            raw = ("(?:" + "|".join(f"(?:{a})" for a in alts) + ")").encode("utf-8")
-            try:
-                self.any_prefix = re.compile(raw)
-            except re.error:
-                import regex
+        self._any_prefix: Any = False  # built when a first chunk is read
 
-                self.any_prefix = regex.compile(raw, regex.V0)
+    @property
+    def any_prefix(self) -> Any:
+        """One cheap bytes check that tells whether a chunk-rule line carries a prefix at all
+        (None: no rule has one)."""
+        if self._any_prefix is False:
+            alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
+            self._any_prefix = None
+            if alts:
+                raw = ("(?:" + "|".join(f"(?:{a})" for a in alts) + ")").encode("utf-8")
+                try:
+                    self._any_prefix = re.compile(raw)
+                except re.error:
+                    import regex
+
+                    self._any_prefix = regex.compile(raw, regex.V0)
+        return self._any_prefix
 
     def literal_filter(self, fmt: int | None = None, inert: bool = False) -> tuple[Any, list[int]]:
         """The literal prefilter (and its literals' indexes in ``literals``): of every literal,

@@ -113,7 +113,8 @@ class Detector:
         columns: bool | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._c = Compiled(rules, automaton=automaton)
+        self._compiled: Compiled | None = None  # built for the first chunk (see ``_c``)
+        self._automaton = automaton
         # whole chunks of a known iteration-line format read as columns (columns.py); off: the
         # line engine reads every line (the reference the column reader is tested against)
         self.columns = os.environ.get("NANWATCH_COLUMNS") != "0" if columns is None else columns
@@ -125,6 +126,14 @@ class Detector:
         self._cap = min((r.max_chars for r in rules.rules), default=0)
         self._warned: set[str] = set()
         self._clock = clock  # the bound of a year-less line's date when the bytes have no file
+
+    @property
+    def _c(self) -> Compiled:
+        """The rule set compiled for the hot path; a start that reads no text builds none."""
+        c = self._compiled
+        if c is None:
+            c = self._compiled = Compiled(self.rules, automaton=self._automaton)
+        return c
 
     # -- public ----------------------------------------------------------------------------------
 

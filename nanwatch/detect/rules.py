@@ -114,11 +114,6 @@ from ..errors import RuleError
 from ..events import ATTRIBUTES, KINDS, STAGES
 from .bounds import LINE_LIMIT, MAX_CHARS_MAX, lint
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 # Vocabulary types for fields that rules commonly extract.
 FIELD_TYPES: dict[str, str] = {
     "seq": "int",
@@ -754,6 +749,11 @@ def load_rules(
             data, known = hit
             _load_pack(f, data, seen, rs, known)
             continue
+        # parsed only when the load cache does not know the pack
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -24,7 +24,6 @@ launch as long as it sees the same tier: the hook or the config make that certai
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,8 @@ class Identity:
 
 def this_node(configured: str | None = None) -> str:
     """``[cluster] node``, else this host's name."""
+    import socket  # the host name is asked for once
+
     return configured or socket.gethostname() or "localhost"
 
 

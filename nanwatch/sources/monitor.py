@@ -18,19 +18,42 @@ from functools import lru_cache
 from ..events import TAGS
 from .dates import infer_year, zoned_epoch
 
+
+class _Lazy:
+    """A pattern compiled when first used: a start that meets no msprobe output compiles none."""
+
+    __slots__ = ("_compiled", "_source")
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        self._compiled: re.Pattern[str] | None = None
+
+    @property
+    def compiled(self) -> re.Pattern[str]:
+        if self._compiled is None:
+            self._compiled = re.compile(self._source)
+        return self._compiled
+
+    def match(self, text: str) -> re.Match[str] | None:
+        return self.compiled.match(text)
+
+    def search(self, text: str) -> re.Match[str] | None:
+        return self.compiled.search(text)
+
+
 # msprobe matches its own folders with `([\w-]{0,20})-rank(\d{1,5})-`; the time is '%b%d_%H-%M-%S'
-RANK_DIR = re.compile(
+RANK_DIR = _Lazy(
     r"^(?P<ts>[A-Za-z]{3}\d{2}_\d{2}-\d{2}-\d{2})-rank(?P<rank>\d{1,5})-(?P<uid>[0-9A-Za-z]{1,32})$"
 )
-V2_RANK_DIR = re.compile(r"^rank_(?P<rank>\d{1,5})$")
-_V1_CSV = re.compile(
+V2_RANK_DIR = _Lazy(r"^rank_(?P<rank>\d{1,5})$")
+_V1_CSV = _Lazy(
     r"^(?P<family>[a-z][a-z_]*?)_(?P<start>\d+)-(?P<end>\d+)(?:_part_(?P<part>\d+))?\.csv$"
 )
-_V2_CSV = re.compile(
+_V2_CSV = _Lazy(
     r"^(?P<family>[a-z][a-z_]*?)_step(?P<start>\d+)-(?P<end>\d+)(?:_part_(?P<part>\d+))?\.csv$"
 )
-_ANOMALY = re.compile(r"(?:^|/)anomaly_detected/rank(?P<rank>\d{1,5})/anomaly\.json$")
-_STRUCT = re.compile(r"(?:^|/)module_struct/rank(?P<rank>\d{1,5})/module_struct\.json$")
+_ANOMALY = _Lazy(r"(?:^|/)anomaly_detected/rank(?P<rank>\d{1,5})/anomaly\.json$")
+_STRUCT = _Lazy(r"(?:^|/)module_struct/rank(?P<rank>\d{1,5})/module_struct\.json$")
 
 V1_FAMILIES = frozenset(TAGS)  # msprobe's CSV prefixes are the vocabulary's tensor tags
 # Families msprobe also writes that carry no per-tensor NaN statistics nanwatch uses.
@@ -70,6 +93,8 @@ class MonitorFile:
 @lru_cache(maxsize=65536)
 def classify(path: str) -> MonitorFile | None:
     """A monitor file, or None for anything else (read as text by the rule packs)."""
+    if not path.endswith((".csv", ".json")):
+        return None  # every monitor file is one (the patterns below say so)
     norm = path.replace(os.sep, "/")
     m = _ANOMALY.search(norm)
     if m:

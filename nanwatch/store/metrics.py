@@ -173,10 +173,16 @@ def _texts(col: Sequence[str | None]) -> bytes:
 
 
 def encode(cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
-    parts = [_MAGIC_Z if compress else _MAGIC, _U32.pack(len(cols))]
-    for name in Metric._fields:
-        col = getattr(cols, name)
-        raw = _ints(col) if name in _INTS else _texts(col) if name in _TEXTS else _floats(col)
+    sections = [
+        _ints(col) if name in _INTS else _texts(col) if name in _TEXTS else _floats(col)
+        for name, col in zip(Metric._fields, (getattr(cols, f) for f in Metric._fields))
+    ]
+    return _pack(len(cols), sections, compress)
+
+
+def _pack(n: int, sections: Iterable[bytes], compress: bool) -> bytes:
+    parts = [_MAGIC_Z if compress else _MAGIC, _U32.pack(n)]
+    for raw in sections:
         if compress and raw:
             # a few rows (a live pass) compress to more than they are: kept raw then
             z = zlib.compress(raw, 1)
@@ -184,6 +190,30 @@ def encode(cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
         parts.append(_U32.pack(len(raw)))
         parts.append(raw)
     return b"".join(parts)
+
+
+_FILL_Q, _FILL_D = struct.pack("<q", MISSING), struct.pack("<d", _NAN)  # one missing value
+
+
+def grow(blob: bytes, cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
+    """The block ``blob`` with ``cols`` appended: the bytes ``encode`` gives for the rows of
+    both, without turning the stored rows back into values (their number and text columns
+    are joined as packed, only the two text columns are read). A live pass appends a few
+    rows to a block of up to ``SMALL_BLOCK``: decoding and packing it whole each time cost
+    more than everything else the pass wrote."""
+    n, old = _sections(blob)
+    k = len(cols)
+    sections = []
+    for i, name in enumerate(Metric._fields):
+        col = getattr(cols, name)
+        if name in _TEXTS:
+            sections.append(_texts([*_untexts(old[i], n), *col]))
+            continue
+        before = old[i]
+        new, fill = (_ints(col), _FILL_Q) if name in _INTS else (_floats(col), _FILL_D)
+        # an empty section is "missing on every row": spelt out when the other part has values
+        sections.append((before or fill * n) + (new or fill * k) if before or new else b"")
+    return _pack(n + k, sections, compress)
 
 
 def _unints(raw: bytes, n: int) -> list[int | None]:
@@ -305,6 +335,33 @@ def _summary(cols: MetricColumns) -> tuple[object, ...]:
     )
 
 
+def _lo(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _hi(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _joined(before: Sequence[Any], after: Sequence[Any]) -> tuple[object, ...]:
+    """``_summary`` of two blocks' rows together, from the summaries of each (spans join)."""
+    lo0, hi0, n, rmin, rmax, smin, smax, tmin, tmax, tstep, tepoch = before
+    lo1, hi1, n1, rmin1, rmax1, smin1, smax1, tmin1, tmax1, tstep1, tepoch1 = after
+    return (
+        _lo(lo0, lo1),
+        _hi(hi0, hi1),
+        n + n1,
+        _lo(rmin, rmin1),
+        _hi(rmax, rmax1),
+        _lo(smin, smin1),
+        _hi(smax, smax1),
+        _lo(tmin, tmin1),
+        _hi(tmax, tmax1),
+        _hi(tstep, tstep1),
+        _hi(tepoch, tepoch1),
+    )
+
+
 # -- the repository --------------------------------------------------------------------------
 
 
@@ -339,38 +396,55 @@ class Metrics:
             return 0
         lo, hi = min(cols.offset), max(cols.offset)
         new = cols
+        grown = None
         if source_id is not None:
-            new = cols = self._unseen(source_id, lo, hi, cols)
-            if not len(cols):
-                return 0
-            cols = self._after_small_block(run_id, source_id, cols)
+            last = self._conn.execute(
+                f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
+                "ORDER BY last_offset DESC LIMIT 1",
+                (source_id,),
+            ).fetchone()
+            # (id, run_id, source_id, the summary columns from first_offset on..., data)
+            if last is not None and last[4] >= lo:  # else no stored block reaches this far
+                new = cols = self._unseen(source_id, lo, hi, cols)
+                if not len(cols):
+                    return 0
+            grown = self._after_small_block(last, run_id, cols)
+        summary, data = grown or (_summary(cols), encode(cols))
         self.store.execute(
             f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (run_id, source_id, *_summary(cols), encode(cols)),
+            (run_id, source_id, *summary, data),
         )
         return len(new)
 
     def _after_small_block(
-        self, run_id: int | None, source_id: int, cols: MetricColumns
-    ) -> MetricColumns:
+        self, row: tuple[Any, ...] | None, run_id: int | None, cols: MetricColumns
+    ) -> tuple[tuple[object, ...], bytes] | None:
         """A live pass reads a line or two per file: appended to the source's last block while
         it is small, they cost a few bytes each instead of a block's overhead. The grown block
         is written anew (a new id: readers that follow ids see it; what they had seen of it
-        is known to them by offset or step), keyed by the same first offset."""
-        row = self._conn.execute(
-            "SELECT id, run_id, last_offset, n, data FROM metric_blocks WHERE source_id = ? "
-            "ORDER BY last_offset DESC LIMIT 1",
-            (source_id,),
-        ).fetchone()
-        if row is None or row[1] != run_id or row[3] + len(cols) > SMALL_BLOCK:
-            return cols
-        if row[2] >= min(cols.offset):
-            return cols  # not after it (a source read again from an earlier offset)
-        old = decode(row[4])
+        is known to them by offset or step), keyed by the same first offset. Returns its
+        summary columns and data, or None (``cols`` make a block of their own). ``row``: the
+        source's last block (the one with the highest last offset), if it has one."""
+        if row is None:
+            return None
+        n = row[5] + len(cols)
+        if row[1] != run_id or n > SMALL_BLOCK:
+            self._close(row[0], row[14])
+            return None
+        if row[4] >= min(cols.offset):
+            return None  # not after it (a source read again from an earlier offset)
         self.store.execute("DELETE FROM metric_blocks WHERE id = ?", (row[0],))
-        return MetricColumns(
-            *(list(getattr(old, f)) + list(getattr(cols, f)) for f in Metric._fields)
-        )
+        # kept raw while it may grow again (each growth would inflate and deflate it whole),
+        # compressed once it is full or the next block starts (``_close``)
+        data = grow(row[14], cols, compress=COMPRESS and n >= SMALL_BLOCK)
+        return _joined(row[3:14], _summary(cols)), data
+
+    def _close(self, block_id: int, data: bytes) -> None:
+        """A source's last block is done growing: compressed if it was kept raw to grow."""
+        if COMPRESS and data[:4] == _MAGIC:
+            n, sec = _sections(data)
+            packed = _pack(n, (sec[i] for i in range(len(Metric._fields))), True)
+            self.store.execute("UPDATE metric_blocks SET data = ? WHERE id = ?", (packed, block_id))
 
     def _unseen(self, source_id: int, lo: int, hi: int, cols: MetricColumns) -> MetricColumns:
         """Without the iterations whose offsets a stored block of the source already holds."""

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import nanwatch.daemon.passes as passes_module
+import nanwatch.detect.pool as pool_module
 from nanwatch.config import Config
 from nanwatch.daemon.pipeline import Pipeline
 from nanwatch.demo.simulate import npu_oom_traceback, seed_scenario
@@ -69,13 +70,13 @@ def test_parallel_scan_stores_what_a_serial_scan_stores(
     monkeypatch.setenv("NANWATCH_SCAN_WORKERS", "2")
     monkeypatch.setattr(passes_module, "POOL_MIN_BYTES", 0)
     used: list[int] = []
-    real = passes_module.DetectorPool
+    real = pool_module.DetectorPool
 
     def pool(detector: Any, workers: int) -> Any:
         used.append(workers)
         return real(detector, workers)
 
-    monkeypatch.setattr(passes_module, "DetectorPool", pool)
+    monkeypatch.setattr(pool_module, "DetectorPool", pool)
     parallel = scan(tmp_path / "parallel.db", base)
     assert used == [2]
     assert serial["events"] and serial["metrics"] and serial["incidents"]

@@ -22,7 +22,7 @@ from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.events import Metric
 from nanwatch.query import list_incidents
 from nanwatch.store import SCHEMA_VERSION, Store
-from nanwatch.store.metrics import MetricColumns, Metrics, decode, encode
+from nanwatch.store.metrics import SMALL_BLOCK, MetricColumns, Metrics, decode, encode
 from nanwatch.store.schema import MIGRATIONS
 
 from ..conftest import nanwatch
@@ -159,6 +159,46 @@ def test_a_live_pass_s_few_lines_grow_the_source_s_last_block(tmp_path: Path) ->
         assert store.insert_metrics(run, src, [_m(i * 10) for i in range(250, 301)]) == 1
     assert Metrics(store).count() == 301
     store.close()
+
+
+def test_a_grown_block_is_the_block_of_all_its_rows_at_once(tmp_path: Path) -> None:
+    # pieces with columns missing in one piece and known in the next, missing values inside,
+    # a stage that changes, texts that stop being constant
+    pieces = [
+        [_m(0, loss=1.5, step_time=0.8), _m(10, loss=1.25, step_time=0.8)],
+        [_m(20, rank=None, step=None, stage=None, time=None)],
+        [_m(30, stage="val", loss=float("nan"), lr=1e-4, memory=2048.0)],
+        [_m(40, rank=3, grad_norm=float("inf"), data_time=0.01), _m(50, epoch=None)],
+        [_m(60, stage="odd\x1fstage", time="2026-11-30T09:59:59.000Z")],
+        [_m(70, loss=0.5), _m(80, loss=0.25, stage="train")],
+    ]
+    every = [m for piece in pieces for m in piece]
+    cols = (
+        "first_offset, last_offset, n, rank_min, rank_max, step_min, step_max, time_min, "
+        "time_max, trained_step_max, trained_epoch_max, data"
+    )
+    other, run, other_src = _store(tmp_path / "at-once.db")
+    with other.transaction():
+        assert other.insert_metrics(run, other_src, every) == len(every)
+    want = other._conn.execute(f"SELECT {cols} FROM metric_blocks").fetchall()
+    store, run, src = _store(tmp_path / "m.db")
+    for piece in pieces:
+        with store.transaction():
+            assert store.insert_metrics(run, src, piece) == len(piece)
+    got = store._conn.execute(f"SELECT {cols} FROM metric_blocks").fetchall()
+    assert len(got) == 1 and got[0][:-1] == want[0][:-1]  # the same summary columns
+    assert list(decode(got[0][-1]).rows()) == list(decode(want[0][-1]).rows())
+    # the next block starts: the grown one is packed as if its rows had come at once
+    with store.transaction():
+        store.insert_metrics(run, src, [_m(1000 + i * 10) for i in range(SMALL_BLOCK)])
+    got = store._conn.execute(f"SELECT {cols} FROM metric_blocks ORDER BY id").fetchall()
+    assert len(got) == 2 and got[0] == want[0]
+    assert _stored(store) == [
+        *_stored(other),
+        *(tuple(_m(1000 + i * 10)) for i in range(SMALL_BLOCK)),
+    ]
+    store.close()
+    other.close()
 
 
 def _schema_4(db: Path) -> None:

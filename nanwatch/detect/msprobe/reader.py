@@ -15,15 +15,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...events import Event, Metric
 from ...sources.monitor import MonitorFile, classify
 from ...stream import StreamState
-from .csvrows import RowWalker
-from .dump import Rewritten, read_dump
-from .rows import Layout, guess_layout, layout
 from .volume import Volume
+
+# the row and dump readers load when a monitor file is first read: a run without msprobe
+# output (and `scan` of plain logs) never pays for them
+if TYPE_CHECKING:
+    from .dump import Rewritten
+    from .rows import Layout
 
 __all__ = ["MonitorReader", "Rewritten", "ShapeLookup"]
 
@@ -82,6 +85,9 @@ class MonitorReader:
         if mf is None or mf.kind != "csv":
             state.line_no += data.count(b"\n")
             return events, []
+        from .csvrows import RowWalker
+        from .rows import guess_layout
+
         ms: dict[str, Any] = dict(state.msprobe or {})
         pos = 0
         line_no = state.line_no
@@ -156,6 +162,8 @@ class MonitorReader:
         Raises :class:`Rewritten` when the content was started afresh (read it again, ``force``,
         as a new generation).
         """
+        from .dump import read_dump
+
         return read_dump(self, path, state, identity=identity, force=force)
 
 
@@ -163,7 +171,17 @@ def _cached_layout(ms: Mapping[str, Any], mf: MonitorFile) -> Layout | None:
     h = ms.get("h")
     if not h:
         return None
+    from .rows import layout
+
     return layout(tuple(h), mf.version)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Rewritten":  # re-exported without loading the dump reader at import
+        from .dump import Rewritten
+
+        return Rewritten
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _first_line(path: str) -> bytes | None:

@@ -1,0 +1,102 @@
+"""What a command loads: the lazy boundaries that keep the CLI's start fast.
+
+Each command runs as a process of its own under ``python -X importtime``, which names every
+module the process imported; the tests assert modules, not times.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..conftest import ROOT
+
+# loaded only when their input or configuration shows up
+OPTIONAL_PACKAGES = (
+    "slack_sdk",
+    "watchdog",
+    "prometheus_client",
+    "psycopg",
+    "hyperscan",
+    "ahocorasick_rs",
+    "regex",
+    "multiprocessing",
+)
+# the msprobe row and dump readers (a monitor CSV or dump), checkpoint shapes, the knowledge
+# base (a first incident), the worker pool (a big scan), the watcher (`watch`), the senders
+# (a configured sink), the fleet store
+LAZY_FOR_SCAN = (
+    "nanwatch.detect.msprobe.csvrows",
+    "nanwatch.detect.msprobe.rows",
+    "nanwatch.detect.msprobe.dump",
+    "nanwatch.detect.msprobe.names",
+    "nanwatch.correlate.nan",
+    "nanwatch.correlate.nanloc",
+    "nanwatch.correlate.shapes",
+    "nanwatch.correlate.checkpoint",
+    "nanwatch.correlate.knowledge",
+    "nanwatch.detect.pool",
+    "nanwatch.sources.watcher",
+    "nanwatch.notify",
+    "nanwatch.notify.outbox",
+    "nanwatch.notify.slack",
+    "nanwatch.notify.slack_api",
+    "nanwatch.notify.alertmanager",
+    "nanwatch.notify.forward",
+    "nanwatch.store.fleet",
+)
+
+
+def imported(*args: str, cwd: Path) -> set[str]:
+    """The modules ``nanwatch ARGS`` imports (it must succeed), with a rule cache of its own
+    in ``cwd`` (a first start parses and compiles the packs; every later one reads the cache)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["NANWATCH_CACHE"] = str(cwd / "cache")
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nanwatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip())
+    assert "nanwatch.cli" in names  # the output was read right
+    return names
+
+
+def loaded(names: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes))
+
+
+def test_scan_of_an_empty_file_loads_no_reader_sender_or_optional_package(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "empty.log"
+    empty.write_bytes(b"")
+    scan = ("scan", "--json", "--db", str(tmp_path / "nw.db"), str(empty))
+    imported(*scan, cwd=tmp_path)  # fills the rule cache
+    names = imported(*scan, cwd=tmp_path)
+    assert "nanwatch.daemon.pipeline" in names
+    assert loaded(names, OPTIONAL_PACKAGES) == []
+    assert loaded(names, LAZY_FOR_SCAN) == []
+
+
+def test_help_and_read_commands_load_no_detection(tmp_path: Path) -> None:
+    db = tmp_path / "nw.db"
+    empty = tmp_path / "empty.log"
+    empty.write_bytes(b"")
+    imported("scan", "--db", str(db), str(empty), cwd=tmp_path)
+    heavy = ("nanwatch.detect", "nanwatch.daemon", "nanwatch.sources", "nanwatch.correlate")
+    for args in (("--help",), ("incidents", "--db", str(db)), ("events", "--db", str(db))):
+        names = imported(*args, cwd=tmp_path)
+        assert loaded(names, heavy) == [], args
+        assert loaded(names, OPTIONAL_PACKAGES) == [], args
+        assert loaded(names, ("nanwatch.notify", "nanwatch.store.fleet", "tomllib")) == [], args
