@@ -52,10 +52,6 @@ class LazyGroup(click.Group):
         spec = COMMANDS.get(cmd_name)
         if spec is None:
             return None
-        # before the command's modules build their record classes (`--help` needs none)
-        from ._codecache import install
-
-        install()
         module = importlib.import_module(f"{__name__}.{spec[0]}")
         cmd: click.Command = getattr(module, spec[1])
         return cmd
