@@ -18,6 +18,7 @@ once.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -136,7 +137,33 @@ class RankStats:
 
 
 def feed(stats: dict[int, RankStats], block: Block) -> None:
-    """Take a block's training step times into its run's per-rank statistics."""
+    """Take a block's training step times into its run's per-rank statistics.
+
+    Row by row this is :meth:`RankStats.add` (the reference, :func:`feed_rows`); past a
+    rank's warm-up the rows go through :func:`_add_many`, which keeps the rolling window as
+    (seconds, row) pairs with a running count of slow steps and makes a :class:`Point` only
+    for the rows the window ends with (a scan stores hundreds of thousands of steps, and a
+    Point and a method call per step were most of what storing them cost)."""
+    c = block.columns
+    per: dict[int, list[int]] = {}
+    for i, (rank, step, stage, sec) in enumerate(zip(c.rank, c.step, c.stage, c.step_time)):
+        if stage != "train" or step is None or sec is None or not sec > 0:
+            continue
+        key = MISSING if rank is None else rank
+        rows = per.get(key)
+        if rows is None:
+            rows = per[key] = []
+        rows.append(i)
+    for key, rows in per.items():
+        st = stats.get(key)
+        if st is None:
+            st = stats[key] = RankStats()
+        _add_many(st, block, rows)
+
+
+def feed_rows(stats: dict[int, RankStats], block: Block) -> None:
+    """:func:`feed`, one :class:`Point` and one :meth:`RankStats.add` per row (the reference
+    the bulk path is tested against)."""
     c = block.columns
     for rank, step, stage, sec, offset, epoch, it, when in zip(
         c.rank, c.step, c.stage, c.step_time, c.offset, c.epoch, c.iter, c.time
@@ -148,6 +175,60 @@ def feed(stats: dict[int, RankStats], block: Block) -> None:
         if st is None:
             st = stats[key] = RankStats()
         st.add(Point(step, sec, block.source_id, offset, epoch, it, when))
+
+
+def _point(block: Block, i: int) -> Point:
+    c = block.columns
+    return Point(
+        c.step[i], c.step_time[i], block.source_id, c.offset[i], c.epoch[i], c.iter[i], c.time[i]
+    )
+
+
+def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
+    """``st.add`` of every row in ``rows`` (indexes into the block's columns), in order."""
+    n = len(rows)
+    k = 0
+    while k < n and st.base is None and st.found is None:  # warm-up: row by row
+        st.add(_point(block, rows[k]))
+        k += 1
+    if k >= n:
+        return
+    steps, secs = block.columns.step, block.columns.step_time
+    last = st.last
+    if st.found is None:
+        assert st.base is not None
+        mark = _mark(st.base)
+        # the window: (seconds, Point of an earlier block, or this block's row index)
+        win: deque[tuple[float, Point | int]] = deque((q.seconds, q) for q in st.window)
+        slow = sum(1 for sec, _ in win if sec >= mark)
+        while k < n:
+            i = rows[k]
+            k += 1
+            step = steps[i]
+            if last is not None and step <= last:
+                continue
+            last = step
+            sec = secs[i]
+            win.append((sec, i))
+            if sec >= mark:
+                slow += 1
+            if len(win) > WINDOW:
+                if win.popleft()[0] >= mark:
+                    slow -= 1
+            if len(win) == WINDOW and sec >= mark and slow * 2 > WINDOW:
+                window = [q if isinstance(q, Point) else _point(block, q) for _, q in win]
+                cur = median(q.seconds for q in window)
+                start = next(q for q in window if q.seconds >= mark)
+                st.window = window
+                st.found = Finding(start, cur / st.base, st.base, cur, "own")
+                break
+        else:
+            st.window = [q if isinstance(q, Point) else _point(block, q) for _, q in win]
+    for i in rows[k:]:  # found: only the highest step moves on
+        step = steps[i]
+        if last is None or step > last:
+            last = step
+    st.last = last
 
 
 class Tracker:

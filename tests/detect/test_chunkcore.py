@@ -214,17 +214,18 @@ def test_a_scan_in_worker_processes_stores_the_same_with_either_core(
 ) -> None:
     """Workers send metric rows as columns; the compiled core zips them back into rows."""
     import nanwatch.daemon.passes as passes_module
+    import nanwatch.detect.pool as pool_module
 
     monkeypatch.setenv("NANWATCH_SCAN_WORKERS", "2")
     monkeypatch.setattr(passes_module, "POOL_MIN_BYTES", 0)
     started: list[int] = []
-    real_pool = passes_module.DetectorPool
+    real_pool = pool_module.DetectorPool
 
     def pool(detector: Detector, workers: int) -> Any:
         started.append(workers)
         return real_pool(detector, workers)
 
-    monkeypatch.setattr(passes_module, "DetectorPool", pool)
+    monkeypatch.setattr(pool_module, "DetectorPool", pool)
     got = {}
     for pure in ("1", "0"):
         monkeypatch.setenv(chunkcore.PURE_ENV, pure)
