@@ -19,9 +19,9 @@ once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from ..events import Event
 from ..store.metrics import MISSING, Block, Metrics
@@ -178,10 +178,11 @@ def feed_rows(stats: dict[int, RankStats], block: Block) -> None:
 
 
 def _point(block: Block, i: int) -> Point:
+    """Row ``i`` of a block (one :func:`feed` chose: its step and step time are known)."""
     c = block.columns
-    return Point(
-        c.step[i], c.step_time[i], block.source_id, c.offset[i], c.epoch[i], c.iter[i], c.time[i]
-    )
+    step, sec = c.step[i], c.step_time[i]
+    assert step is not None and sec is not None
+    return Point(step, sec, block.source_id, c.offset[i], c.epoch[i], c.iter[i], c.time[i])
 
 
 def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
@@ -193,7 +194,9 @@ def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
         k += 1
     if k >= n:
         return
-    steps, secs = block.columns.step, block.columns.step_time
+    # the rows feed chose have both (a cast, not a check per row)
+    steps = cast("Sequence[int]", block.columns.step)
+    secs = cast("Sequence[float]", block.columns.step_time)
     last = st.last
     if st.found is None:
         assert st.base is not None
@@ -212,9 +215,8 @@ def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
             win.append((sec, i))
             if sec >= mark:
                 slow += 1
-            if len(win) > WINDOW:
-                if win.popleft()[0] >= mark:
-                    slow -= 1
+            if len(win) > WINDOW and win.popleft()[0] >= mark:
+                slow -= 1
             if len(win) == WINDOW and sec >= mark and slow * 2 > WINDOW:
                 window = [q if isinstance(q, Point) else _point(block, q) for _, q in win]
                 cur = median(q.seconds for q in window)

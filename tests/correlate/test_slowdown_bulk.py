@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +36,7 @@ def _blocks(rows: list[tuple], cuts: list[int]) -> list[Block]:
     bounds = sorted({0, len(metrics), *(c % (len(metrics) + 1) for c in cuts)})
     return [
         Block(i, 1, 7 + i, MetricColumns.from_rows(metrics[a:b]))
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        for i, (a, b) in enumerate(pairwise(bounds))
         if b > a
     ]
 
