@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import lt
 from typing import NamedTuple, cast
 
 from ..events import Event
@@ -201,6 +203,18 @@ def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
     if st.found is None:
         assert st.base is not None
         mark = _mark(st.base)
+        sel = rows[k:]
+        s_sel = [steps[i] for i in sel]
+        if (
+            (last is None or s_sel[0] > last)
+            and all(map(lt, s_sel, islice(s_sel, 1, None)))
+            and max([secs[i] for i in sel]) < mark
+        ):
+            # the usual block: in order and nothing slow, so no window can turn slow (a slow
+            # window needs a slow step to end it): the window is the last WINDOW steps
+            st.window = [*st.window, *(_point(block, i) for i in sel[-WINDOW:])][-WINDOW:]
+            st.last = s_sel[-1]
+            return
         # the window: (seconds, Point of an earlier block, or this block's row index)
         win: deque[tuple[float, Point | int]] = deque((q.seconds, q) for q in st.window)
         slow = sum(1 for sec, _ in win if sec >= mark)
