@@ -53,28 +53,6 @@ RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) s
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
-# A line that prints both a loss and the optimizer's learning rate is a training step's, whatever
-# the framework: validation, evaluation and inference print no learning rate (mmengine's
-# Epoch(val), HF's eval_* dicts, Lightning's validation bars). Read only on lines that gave an
-# event whose stream names no stage; nothing else makes a stage "train".
-_TRAIN_LINE = re.compile(
-    r"(?i)^(?=[^\n]{0,2000}?\bloss\b['\"]?[ \t]{0,3}[:=])[^\n]{0,2000}?(?<![\w.])"
-    r"(?:lr|learning[ _]rate)['\"]?[ \t]{0,3}[:=][ \t]{0,3}['\"]?[-+]?\.?\d"
-)
-# ... or it prints a loss and a step or iteration counter, and no evaluation word
-_STEP_LINE = re.compile(
-    r"(?i)^(?![^\n]{0,2000}?(?<![\w])(?:val|valid|validation|eval|evaluat\w*|test(?:ing)?)(?![a-z]))"
-    r"(?=[^\n]{0,2000}?(?<![\w])\[?loss\b(?:['\"]?[ \t]{0,3}[:=]|\][ \t]{0,3}[:=]?))"
-    r"[^\n]{0,2000}?(?<![\w.])\[?(?:step|iter(?:ation)?)\b\]?['\"]?[ \t]{0,3}[:=\[]?[ \t]{0,3}\d"
-)
-# A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
-# "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
-_LINE_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
-_LINE_EPOCH = re.compile(
-    r"(?<![\w.])(?:E(\d{1,5})(?=[ \t]+(?:iter|step|it)\b)"
-    r"|[Ee]poch[ \t]{0,2}:?[ \t]{0,2}\[?[ \t]{0,2}(\d{1,5})\b(?![.\d]))"
-)
-_LINE_STEP = re.compile(r"\[(?:step|Step|STEP|global_step)\][ \t]{0,3}[:=]?[ \t]{0,3}(\d{1,12})\b")
 AHEAD_MAX = 256  # reports per chunk that may look at the lines after them for their step
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
 
@@ -976,7 +954,7 @@ class Detector:
             fields["stream_time"] = state.last_time
         line_progress = None
         if rule.kind == "nan":
-            for k, v in _metric_line_fields(text).items():
+            for k, v in progress.bracketed_fields(text).items():
                 attrs.setdefault(k, v)
             # the metric line's own counters and mode, read by its structure (progress.py)
             line_progress = progress.read(text)
@@ -1000,12 +978,8 @@ class Detector:
             state.hint_stage = None
         if stage is None and not _other_rank(state.stage_rank, own_rank):
             stage = state.stage
-        if stage is None and (_TRAIN_LINE.search(text) or _STEP_LINE.search(text)):
-            stage = "train"  # the event's own line is a training step's (it prints a learning rate)
-        if stage is None and line_progress is not None:
-            stage = line_progress.stage
-        if stage is None and rule.kind == "nan" and progress.training_value(text):
-            stage = "train"  # a loss or gradient gone non-finite, nothing says in evaluation
+        if stage is None:
+            stage = progress.line_stage(text, line_progress, nonfinite=rule.kind == "nan")
         uncounted = (
             state.epoch is None
             and state.iter is None
@@ -1126,16 +1100,6 @@ def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
 _CASCADE_NOTICES = 4  # skipped steps in a row, no step trained between
 _CASCADE_FALL = 2.0**4  # the scale's fall from where the run started
 _CASCADE_WARMUP_FLOOR = 2.0**10  # start-up calibration ends above this in healthy fp16 runs
-
-
-def _metric_line_fields(text: str) -> dict[str, int]:
-    """The rank, epoch and step a metric line prints in the bracketed style, when it does."""
-    out: dict[str, int] = {}
-    for name, pattern in (("rank", _LINE_RANK), ("epoch", _LINE_EPOCH), ("step", _LINE_STEP)):
-        m = pattern.search(text)
-        if m is not None:
-            out[name] = int(next(g for g in m.groups() if g is not None))
-    return out
 
 
 def _reporter_pid(text: str) -> int | None:

@@ -50,8 +50,31 @@ _MODE = re.compile(
     r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"
     r"|test(?:ing)?)(?![\w.\-/])"
 )
-_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
 _KEY_STAGE = re.compile(r"(?i)^(train|val|valid|validation|eval|test|dev)(?:[_/.\-]|$)")
+
+
+# A line that prints both a loss and the optimizer's learning rate is a training step's, whatever
+# the framework: validation, evaluation and inference print no learning rate (mmengine's
+# Epoch(val), HF's eval_* dicts, Lightning's validation bars). Read only on lines that gave an
+# event whose stream names no stage; nothing else makes a stage "train".
+_TRAIN_LINE = re.compile(
+    r"(?i)^(?=[^\n]{0,2000}?\bloss\b['\"]?[ \t]{0,3}[:=])[^\n]{0,2000}?(?<![\w.])"
+    r"(?:lr|learning[ _]rate)['\"]?[ \t]{0,3}[:=][ \t]{0,3}['\"]?[-+]?\.?\d"
+)
+# ... or it prints a loss and a step or iteration counter, and no evaluation word
+_STEP_LINE = re.compile(
+    r"(?i)^(?![^\n]{0,2000}?(?<![\w])(?:val|valid|validation|eval|evaluat\w*|test(?:ing)?)(?![a-z]))"
+    r"(?=[^\n]{0,2000}?(?<![\w])\[?loss\b(?:['\"]?[ \t]{0,3}[:=]|\][ \t]{0,3}[:=]?))"
+    r"[^\n]{0,2000}?(?<![\w.])\[?(?:step|iter(?:ation)?)\b\]?['\"]?[ \t]{0,3}[:=\[]?[ \t]{0,3}\d"
+)
+# A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
+# "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
+_LINE_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
+_LINE_EPOCH = re.compile(
+    r"(?<![\w.])(?:E(\d{1,5})(?=[ \t]+(?:iter|step|it)\b)"
+    r"|[Ee]poch[ \t]{0,2}:?[ \t]{0,2}\[?[ \t]{0,2}(\d{1,5})\b(?![.\d]))"
+)
+_LINE_STEP = re.compile(r"\[(?:step|Step|STEP|global_step)\][ \t]{0,3}[:=]?[ \t]{0,3}(\d{1,12})\b")
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,7 @@ def read(text: str) -> LineProgress | None:
         stage = stages.pop()
     elif not stages and plain:
         stage = "train"
-    rank_m = _RANK.search(text)
+    rank_m = _LINE_RANK.search(text)
     return LineProgress(
         loss=bool(losses),
         stage=stage,
@@ -189,4 +212,28 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         if p is not None and p.loss and p.counted:
             return p
         end = nxt
+    return None
+
+
+def bracketed_fields(text: str) -> dict[str, int]:
+    """The rank, epoch and step a metric line prints in the bracketed style, when it does."""
+    out: dict[str, int] = {}
+    for name, pattern in (("rank", _LINE_RANK), ("epoch", _LINE_EPOCH), ("step", _LINE_STEP)):
+        m = pattern.search(text)
+        if m is not None:
+            out[name] = int(next(g for g in m.groups() if g is not None))
+    return out
+
+
+def line_stage(text: str, line: LineProgress | None, *, nonfinite: bool) -> str | None:
+    """The stage an event's own line names when its stream names none: a training step's line
+    (a loss beside a learning rate, or beside a step counter with no evaluation word), else
+    the mode :func:`read` found, else, for a non-finite value, a loss or gradient that no mode
+    qualifies (:func:`training_value`)."""
+    if _TRAIN_LINE.search(text) or _STEP_LINE.search(text):
+        return "train"
+    if line is not None and line.stage is not None:
+        return line.stage
+    if nonfinite and training_value(text):
+        return "train"
     return None

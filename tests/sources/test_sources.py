@@ -27,6 +27,15 @@ def nan_line(i: int, iters: int = 100000) -> str:
     )
 
 
+def rank_log(tmp_path: Path, text: str) -> Path:
+    """``logs/rank0.log`` under ``tmp_path`` holding ``text``."""
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_text(text)
+    return log
+
+
 def ok_line(i: int, iters: int = 100000) -> str:
     return nan_line(i, iters).replace("loss: nan", "loss: 0.5000")
 
@@ -84,10 +93,8 @@ def test_partial_line_waits_for_its_newline(tmp_path: Path, db: Path) -> None:
 
 
 def test_restart_resumes_at_committed_offset(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text("".join(nan_line(i) for i in range(1, 6)))
+    log = rank_log(tmp_path, "".join(nan_line(i) for i in range(1, 6)))
+    d = log.parent
     live = Live(db, [str(d)])
     live.step()
     live.restart()
@@ -101,10 +108,8 @@ def test_restart_resumes_at_committed_offset(tmp_path: Path, db: Path) -> None:
 
 
 def test_truncation_starts_a_new_generation(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text("".join(nan_line(i) for i in range(1, 4)))
+    log = rank_log(tmp_path, "".join(nan_line(i) for i in range(1, 4)))
+    d = log.parent
     live = Live(db, [str(d)])
     try:
         live.step()
@@ -117,10 +122,8 @@ def test_truncation_starts_a_new_generation(tmp_path: Path, db: Path) -> None:
 
 
 def test_truncated_while_stopped_and_regrown_past_old_offset(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text("".join(nan_line(i) for i in range(1, 3)))
+    log = rank_log(tmp_path, "".join(nan_line(i) for i in range(1, 3)))
+    d = log.parent
     live = Live(db, [str(d)])
     live.step()
     live.close()
@@ -135,10 +138,8 @@ def test_truncated_while_stopped_and_regrown_past_old_offset(tmp_path: Path, db:
 
 
 def test_rename_and_create_rotation(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text(nan_line(1))
+    log = rank_log(tmp_path, nan_line(1))
+    d = log.parent
     live = Live(db, [str(d)])
     try:
         live.step()
@@ -153,10 +154,8 @@ def test_rename_and_create_rotation(tmp_path: Path, db: Path) -> None:
 
 
 def test_copytruncate_rotation_reads_only_the_copy_tail(tmp_path: Path, db: Path) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text(nan_line(1) + nan_line(2))
+    log = rank_log(tmp_path, nan_line(1) + nan_line(2))
+    d = log.parent
     live = Live(db, [str(d)])
     try:
         live.step()
@@ -501,10 +500,8 @@ def test_rotated_names() -> None:
 def test_a_rename_noticed_by_a_pass_without_a_walk_is_followed_not_retired(
     tmp_path: Path, db: Path
 ) -> None:
-    d = tmp_path / "logs"
-    d.mkdir()
-    log = d / "rank0.log"
-    log.write_text(nan_line(1))
+    log = rank_log(tmp_path, nan_line(1))
+    d = log.parent
     live = Live(db, [str(d)])
     try:
         live.step()
