@@ -21,6 +21,7 @@ from ..events import Event, Metric, now_utc
 from ..sources import Chunk, Root, SourceRecord, Tracker
 from ..sources.discover import rank_from_path
 from ..store import Store
+from ..store.metrics import Packed
 from ..store.records import JSON, Source
 from ..store.sources import Sources
 from ..stream import StreamState
@@ -40,8 +41,8 @@ class Stats:
     runs: set[int] = field(default_factory=set)
 
 
-# rows from a detection worker are plain tuples in Metric's field order
-MetricRows = list[Metric] | list[tuple[Any, ...]]
+# rows from a detection worker are plain tuples in Metric's field order, or a packed block
+MetricRows = list[Metric] | list[tuple[Any, ...]] | Packed
 
 
 @dataclass
@@ -75,7 +76,10 @@ def _widen(
 ) -> None:
     """Stretch ``spans[run_id]`` (first, last time) over event times and metric rows' times."""
     known = [t for t in times if t]
-    known.extend(m[6] for m in metrics if m[6])
+    if isinstance(metrics, Packed):
+        known.extend(t for t in metrics.times if t)
+    else:
+        known.extend(m[6] for m in metrics if m[6])
     if not known:
         return
     lo, hi = min(known), max(known)

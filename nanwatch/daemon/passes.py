@@ -318,7 +318,10 @@ class Passes:
         workers = min(detect_pool.usable_workers(), len(todo))
         if workers < 2:
             return None
-        pool = detect_pool.DetectorPool(self.detector, workers)
+        from ..store.metrics import pack
+
+        # the workers pack each chunk's metrics into the block the writer stores
+        pool = detect_pool.DetectorPool(self.detector, workers, pack=pack)
         return _Pooled(pool, pool.ordered(self.tracker.read(r, final=final) for r in texts), texts)
 
     def _take_pooled(self, rec: SourceRecord, pooled: _Pooled, batch: _Batch) -> None:

@@ -89,6 +89,28 @@ class MetricColumns:
         )
 
 
+def joined(rows: list[Metric], segments: list[tuple[int, MetricColumns]]) -> tuple[list[Any], ...]:
+    """One chunk's metrics as columns in :class:`Metric`'s field order: the line engine's
+    ``rows`` with the column segments between them (each after the rows made before it), in
+    the order :meth:`Detector.feed` returns them as rows."""
+    fields = Metric._fields
+    if not rows and len(segments) == 1:  # the usual chunk: one run of iteration lines
+        return tuple(getattr(segments[0][1], name) for name in fields)
+    out: tuple[list[Any], ...] = tuple([] for _ in fields)
+    done = 0
+    for at, seg in segments:
+        if at > done:
+            for col, vals in zip(out, zip(*rows[done:at])):
+                col.extend(vals)
+            done = at
+        for col, name in zip(out, fields):
+            col.extend(getattr(seg, name))
+    if done < len(rows):
+        for col, vals in zip(out, zip(*rows[done:])):
+            col.extend(vals)
+    return out
+
+
 @dataclass
 class Rows:
     """A chunk's rows: where each starts and its groups (bytes), in chunk order.

@@ -26,7 +26,7 @@ from ..sources.dates import file_bound
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion, progress
 from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
-from .columns import ColumnFormat, MetricColumns, Rows
+from .columns import ColumnFormat, MetricColumns, Rows, joined
 from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
 from .facts import rule_facts
@@ -124,17 +124,42 @@ class Detector:
         *,
         facts: list[dict[str, Any]] | None = None,
         trace: set[str] | None = None,
-        columns: list[MetricColumns] | None = None,
     ) -> tuple[list[Event], list[Metric]]:
         """Process ``chunk`` (complete lines only) that starts at byte ``base_offset``.
 
         Updates ``state`` in place (line count, context) and returns what the lines yield.
         Run facts the lines tell (versions, world size, timeouts...) are appended to ``facts``
         when it is given; the ids of the prefixes and rules that matched a line are added to
-        ``trace`` (the examples runner: an example must pass through its own rule). Rows read
-        as columns are also appended to ``columns`` when it is given (their metrics are in the
-        returned list too, in line order with the others).
+        ``trace`` (the examples runner: an example must pass through its own rule).
         """
+        f = self._feed(chunk, base_offset, state, file, facts, trace, None)
+        return f.events, f.metrics
+
+    def feed_columns(
+        self,
+        chunk: bytes,
+        base_offset: int,
+        state: StreamState,
+        file: str | None = None,
+        *,
+        facts: list[dict[str, Any]] | None = None,
+    ) -> tuple[list[Event], tuple[list[Any], ...]]:
+        """:meth:`feed`, with the metrics as columns in :class:`Metric`'s field order (one list
+        per field): the rows read as columns stay columns, no tuple is made per iteration."""
+        segments: list[tuple[int, MetricColumns]] = []
+        f = self._feed(chunk, base_offset, state, file, facts, None, segments)
+        return f.events, joined(f.metrics, segments)
+
+    def _feed(
+        self,
+        chunk: bytes,
+        base_offset: int,
+        state: StreamState,
+        file: str | None,
+        facts: list[dict[str, Any]] | None,
+        trace: set[str] | None,
+        segments: list[tuple[int, MetricColumns]] | None,
+    ) -> Feed:
         c = self._c
         # year-less timestamps: not after the file was last written, not before the stream's
         # previous dated line
@@ -152,13 +177,14 @@ class Detector:
         lines = c.lines(chunk, fi, counts)
         # the in-process companion's records (one cheap search; most chunks have none)
         records = companion.line_starts(chunk) if companion.PREFIX in chunk else set()
+        f = Feed(chunk, base_offset, file)
         if not lines and not records and not (rows and rows.starts):
             state.line_no += chunk.count(b"\n")
-            return [], []
+            return f
         # the pipeline hands shallow copies of a state around: never mutate a shared dict
         state.blocks = {k: list(v) for k, v in state.blocks.items()}
-        f = Feed(chunk, base_offset, file)
         f.trace = trace
+        f.segments = segments
         any_prefix = c.any_prefix
         line_no = state.line_no
         pos = 0
@@ -172,7 +198,7 @@ class Detector:
                 assert fmt is not None and rows is not None
                 hi = bisect.bisect_left(starts, start, k)
                 if hi > k:
-                    line_no, pos = self._rows(fmt, rows, k, hi, state, line_no, pos, f, columns)
+                    line_no, pos = self._rows(fmt, rows, k, hi, state, line_no, pos, f)
                 k = hi
                 if k < nrows and starts[k] == start:
                     entry = lines[start]
@@ -236,7 +262,7 @@ class Detector:
                 f.first_epoch = (this_line, state.epoch)
         if k < nrows:
             assert fmt is not None and rows is not None
-            line_no, pos = self._rows(fmt, rows, k, nrows, state, line_no, pos, f, columns)
+            line_no, pos = self._rows(fmt, rows, k, nrows, state, line_no, pos, f)
         state.line_no = line_no + chunk.count(b"\n", pos)  # the lines before pos are counted
         if facts is not None:
             facts.extend(f.facts)
@@ -265,7 +291,7 @@ class Detector:
                 )
         # no stage unless the text names one (a progress line, a traceback frame, the entry
         # script): an inference server or an evaluation script is not training
-        return f.events, f.metrics
+        return f
 
     def explain(self, text: str) -> dict[str, Any]:
         """Which rules match ``text`` (one or more lines) and the events it gives."""
@@ -324,16 +350,16 @@ class Detector:
         line_no: int,
         pos: int,
         f: Feed,
-        columns: list[MetricColumns] | None,
     ) -> tuple[int, int]:
         """Rows ``lo:hi`` of a columns format, applied at once (columns.py)."""
         cols, line_no, pos, first = apply_rows(
             fmt, rows, lo, hi, state, f.chunk, line_no, pos, f.base, self.times
         )
         if fmt.plan.metrics is not None:
-            f.metrics.extend(cols.rows())
-            if columns is not None:
-                columns.append(cols)
+            if f.segments is not None:
+                f.segments.append((len(f.metrics), cols))  # between the rows made before it
+            else:
+                f.metrics.extend(cols.rows())
         self.counters["column_rows"] += hi - lo
         if first is not None and f.first_epoch is None:
             f.first_epoch = first

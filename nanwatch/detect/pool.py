@@ -23,7 +23,7 @@ import os
 import threading
 import traceback
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import astuple, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -38,9 +38,12 @@ DEPTH = 3  # chunks in flight per worker: one being processed, two queued (the w
 AHEAD_BYTES = 16 << 20  # finished chunks (their bytes) that may wait for an earlier stream
 
 
-# (chunk without its bytes, its size, its newline count, events, metric rows (tuples in
-# Metric's field order), state after it, run facts its lines told)
-Done = tuple[Any, int, int, list[Event], list[tuple[Any, ...]], StreamState, list[dict[str, Any]]]
+# (chunk without its bytes, its size, its newline count, events, metrics (tuples in Metric's
+# field order, or what the pool's ``pack`` made of their columns), state after it, run facts
+# its lines told)
+Done = tuple[Any, int, int, list[Event], Any, StreamState, list[dict[str, Any]]]
+# a chunk's metric columns (Metric's field order) -> what the writer stores (None: no rows)
+Pack = Callable[[tuple[list[Any], ...]], Any]
 
 
 def usable_workers() -> int:
@@ -70,7 +73,9 @@ def _rows(cols: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return got if got is not None else list(zip(*cols))
 
 
-def _serve(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int) -> None:
+def _serve(
+    conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int, pack: Pack | None
+) -> None:
     states: dict[int, StreamState] = {}
     while True:
         msg = conn.recv()
@@ -84,19 +89,28 @@ def _serve(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: i
         work = copy.copy(st) if final else st
         facts: list[dict[str, Any]] = []
         try:
-            events, metrics = detector.feed(data, start, work, file, facts=facts)
+            if pack is not None:
+                # the block is made here, in parallel with the other workers: the writer
+                # stores its bytes
+                events, columns = detector.feed_columns(data, start, work, file, facts=facts)
+                out: Any = pack(columns)
+            else:
+                events, metrics = detector.feed(data, start, work, file, facts=facts)
+                # metric rows go as columns (one tuple per field): a tuple per row cost more
+                # to unpickle than to detect
+                out = list(zip(*metrics))
         except BaseException:
             conn.send(("error", sid, traceback.format_exc()))
             return
-        # plain tuples pickle (and unpickle) in a fraction of a dataclass's time; metric rows go
-        # as columns (one tuple per field): a tuple per row cost more to unpickle than to detect
-        cols = list(zip(*metrics))
-        conn.send((sid, [astuple(e) for e in events], cols, work, facts))
+        # plain tuples pickle (and unpickle) in a fraction of a dataclass's time
+        conn.send((sid, [astuple(e) for e in events], out, work, facts))
 
 
-def _run(conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int) -> None:
+def _run(
+    conn: Connection, detector: Detector, shared: mmap.mmap, slot_size: int, pack: Pack | None
+) -> None:
     try:
-        _serve(conn, detector, shared, slot_size)
+        _serve(conn, detector, shared, slot_size, pack)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass
     finally:
@@ -119,8 +133,18 @@ class _Stream:
 class DetectorPool:
     """Workers forked from this process; use as a context manager (stopped and joined)."""
 
-    def __init__(self, detector: Detector, workers: int, *, slot_size: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        detector: Detector,
+        workers: int,
+        *,
+        slot_size: int = 4 << 20,
+        pack: Pack | None = None,
+    ) -> None:
+        """``pack``: what a worker makes of a chunk's metric columns for the writer (without
+        it, the metrics come back as rows)."""
         ctx = multiprocessing.get_context("fork")
+        self._pack = pack
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         # Chunk bytes go through memory shared with the workers (mapped before the fork), one
@@ -135,7 +159,7 @@ class DetectorPool:
                 mine, theirs = ctx.Pipe()
                 p = ctx.Process(
                     target=_run,
-                    args=(theirs, detector, self._shared, slot_size),
+                    args=(theirs, detector, self._shared, slot_size, pack),
                     name=f"nanwatch-detect-{i}",
                     daemon=True,
                 )
@@ -252,8 +276,8 @@ class DetectorPool:
             raise RuntimeError(f"detection worker {w} died") from None
         if msg[0] == "error":
             raise RuntimeError(f"detection failed in a worker:\n{msg[2]}")
-        _, events, cols, state, facts = msg
-        metrics = _rows(cols)
+        _, events, out, state, facts = msg
+        metrics = out if self._pack is not None else _rows(out)
         chunk, size, lines, slot = s.sent.popleft()
         self._free[w].append(slot)
         return (
@@ -261,7 +285,8 @@ class DetectorPool:
             size,
             lines,
             [Event(*e) for e in events],
-            metrics,  # tuples in Metric's field order: what the store writes
+            # tuples in Metric's field order, or the packed block (an empty list: no rows)
+            metrics if metrics is not None else [],
             state,
             facts,
         )

@@ -43,6 +43,9 @@ class Feed:
     # the last look-back for a logged step (progress.before): up to where it read, what it found;
     # the next one reads only the bytes after it, so a storm of reports costs one pass
     looked: tuple[int, Any] | None = None
+    # rows read as columns, kept as columns (``feed_columns``): (how many line-engine rows came
+    # before them, their columns); None: they go to ``metrics`` as rows
+    segments: list[tuple[int, Any]] | None = None
 
 
 def report(

@@ -25,7 +25,7 @@ from . import files
 from .records import EVENT_COLUMNS
 
 if TYPE_CHECKING:
-    from .metrics import MetricColumns
+    from .metrics import MetricColumns, Packed
 from .schema import MIGRATIONS
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -589,12 +589,18 @@ class Store:
         return self._conn.total_changes - before
 
     def insert_metrics(
-        self, run_id: int | None, source_id: int | None, metrics: Iterable[tuple[Any, ...]]
+        self,
+        run_id: int | None,
+        source_id: int | None,
+        metrics: Iterable[tuple[Any, ...]] | Packed,
     ) -> int:
-        """Metrics (or plain tuples in Metric's field order: what detection workers send), in
-        the caller's transaction; returns how many were new (see ``store/metrics.py``)."""
-        from .metrics import Metrics
+        """Metrics (or plain tuples in Metric's field order, or a chunk packed by ``pack``:
+        what detection workers send), in the caller's transaction; returns how many were new
+        (see ``store/metrics.py``)."""
+        from .metrics import Metrics, Packed
 
+        if isinstance(metrics, Packed):
+            return Metrics(self).insert_packed(run_id, source_id, metrics)
         return Metrics(self).insert(run_id, source_id, metrics)
 
     def insert_metric_columns(

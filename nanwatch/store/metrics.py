@@ -27,6 +27,7 @@ prefixed ``z``; or ``r`` and kept raw when that is smaller, as for a block of a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sqlite3
@@ -107,6 +108,33 @@ EMPTY = MetricColumns(*([] for _ in Metric._fields))
 
 
 @dataclass(frozen=True, slots=True)
+class Packed:
+    """One chunk's iterations as a block ready to store: its summary columns and data (what
+    :func:`pack` makes where the chunk was read, a detection worker, so the writer stores
+    bytes instead of packing hundreds of thousands of values itself)."""
+
+    n: int
+    summary: tuple[Any, ...]  # the block's summary columns, first_offset to trained_epoch_max
+    data: bytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def times(self) -> tuple[str | None, str | None]:
+        """The earliest and latest time of its rows."""
+        return self.summary[7], self.summary[8]
+
+
+def pack(columns: Sequence[Sequence[Any]]) -> Packed | None:
+    """Columns in Metric's field order as a block to store; None when there are no rows."""
+    cols = MetricColumns(*columns)
+    if not len(cols):
+        return None
+    return Packed(len(cols), _summary(cols), encode(cols))
+
+
+@dataclass(frozen=True, slots=True)
 class Block:
     """One stored block: its run and source, and its iterations."""
 
@@ -152,7 +180,10 @@ def _floats(col: Sequence[float | None]) -> bytes:
     except TypeError:
         if col.count(None) == len(col):
             return b""
-        a = array("d", [float(v) if isinstance(v, (int, float)) else _NAN for v in col])
+        try:  # the usual reason: a few missing values
+            a = array("d", [_NAN if v is None else v for v in col])
+        except TypeError:
+            a = array("d", [float(v) if isinstance(v, (int, float)) else _NAN for v in col])
     if _SWAP:
         a.byteswap()
     return a.tobytes()
@@ -280,18 +311,49 @@ def _sections(blob: bytes) -> tuple[int, _Sections]:
     return sec.n, sec
 
 
+def _column(raw: _Sections, i: int, n: int) -> Sequence[Any]:
+    name = Metric._fields[i]
+    if name in _INTS:
+        return _unints(raw[i], n)
+    if name in _TEXTS:
+        return _untexts(raw[i], n)
+    return _unfloats(raw[i], n)
+
+
 def decode(blob: bytes) -> MetricColumns:
     n, raw = _sections(blob)
-    cols: list[Sequence[object]] = []
-    for i, name in enumerate(Metric._fields):
-        sec = raw[i]
-        if name in _INTS:
-            cols.append(_unints(sec, n))
-        elif name in _TEXTS:
-            cols.append(_untexts(sec, n))
-        else:
-            cols.append(_unfloats(sec, n))
-    return MetricColumns(*cols)  # type: ignore[arg-type]
+    return MetricColumns(*(_column(raw, i, n) for i in range(len(Metric._fields))))
+
+
+class _Unpacked(MetricColumns):
+    """A stored block's columns, each unpacked when first read: the slowdown tracker reads
+    four of the thirteen of every block (and the others of a few rows)."""
+
+    __slots__ = ("_n", "_raw")
+
+    def __init__(self, blob: bytes) -> None:  # the dataclass's fields are filled when read
+        n, raw = _sections(blob)
+        object.__setattr__(self, "_n", n)
+        object.__setattr__(self, "_raw", raw)
+
+    def __getattr__(self, name: str) -> Any:  # only for a field not read yet
+        i = _FIELD.get(name)
+        if i is None:
+            raise AttributeError(name)
+        value = _column(self._raw, i, self._n)
+        object.__setattr__(self, name, value)
+        return value
+
+    def __len__(self) -> int:
+        return int(self._n)
+
+
+_FIELD = {name: i for i, name in enumerate(Metric._fields)}
+
+
+def unpacked(blob: bytes) -> MetricColumns:
+    """:func:`decode`, column by column as they are read."""
+    return _Unpacked(blob)
 
 
 def _span(col: Sequence[Any]) -> tuple[Any, Any]:
@@ -299,29 +361,59 @@ def _span(col: Sequence[Any]) -> tuple[Any, Any]:
     try:
         return min(col), max(col)
     except (TypeError, ValueError):  # a missing value among them, or none at all
+        if col.count(None) == len(col):
+            return None, None
         known = [v for v in col if v is not None]
-        return (min(known), max(known)) if known else (None, None)
+        return min(known), max(known)
+
+
+def _highest(col: Sequence[Any], cuts: list[int]) -> Any:
+    """The highest known value of ``col`` outside the rows at ``cuts`` (sorted, between a
+    first -1 and a last ``len(col)``)."""
+    best = None
+    for a, b in itertools.pairwise(cuts):
+        if b - a > 1:
+            part = col[a + 1 : b]
+            try:
+                hi = max(part)
+            except TypeError:  # a missing value among them
+                hi = _span(part)[1]
+            if hi is not None and (best is None or hi > best):
+                best = hi
+    return best
+
+
+def _trained(cols: MetricColumns, step_hi: int | None) -> tuple[Any, Any]:
+    """The highest step and epoch of the training rows with a finite loss."""
+    n = len(cols)
+    loss = cols.loss
+    if cols.stage.count("train") == n:
+        # a training chunk whose losses are finite where known (a finite sum says so; filter
+        # drops the missing ones, and the zeros, which change no sum)
+        missing = loss.count(None)
+        if missing <= 64 and _finite(sum(cast("Iterable[float]", filter(None, loss)))):
+            if not missing:  # the usual chunk
+                return step_hi, _span(cols.epoch)[1]
+            # a few rows without a loss: every other row is a trained one
+            at, cuts = -1, [-1]
+            for _ in range(missing):
+                at = cast("list[float | None]", loss).index(None, at + 1)
+                cuts.append(at)
+            cuts.append(n)
+            return _highest(cols.step, cuts), _highest(cols.epoch, cuts)
+    trained = [
+        (s, e)
+        for st, s, e, v in zip(cols.stage, cols.step, cols.epoch, loss)
+        if st == "train" and v is not None and -_INF < v < _INF
+    ]
+    return _span([s for s, _ in trained])[1], _span([e for _, e in trained])[1]
 
 
 def _summary(cols: MetricColumns) -> tuple[object, ...]:
     """The plain columns beside the packed data: what readers filter blocks on."""
     n = len(cols)
     step_lo, step_hi = _span(cols.step)
-    try:
-        usual = cols.stage.count("train") == n and _finite(sum(cast("Sequence[float]", cols.loss)))
-    except TypeError:  # a missing loss
-        usual = False
-    if usual:
-        # the usual chunk: training iterations, every loss finite (a finite sum says so)
-        t_step, t_epoch = step_hi, _span(cols.epoch)[1]
-    else:
-        trained = [
-            (s, e)
-            for st, s, e, loss in zip(cols.stage, cols.step, cols.epoch, cols.loss)
-            if st == "train" and loss is not None and -_INF < loss < _INF
-        ]
-        t_step = _span([s for s, _ in trained])[1]
-        t_epoch = _span([e for _, e in trained])[1]
+    t_step, t_epoch = _trained(cols, step_hi)
     return (
         min(cols.offset),
         max(cols.offset),
@@ -416,6 +508,27 @@ class Metrics:
         )
         return len(new)
 
+    def insert_packed(self, run_id: int | None, source_id: int | None, p: Packed) -> int:
+        """:meth:`insert_columns` of a packed chunk: the same rows stored, its bytes written
+        as they are unless the source's last block overlaps it or grows by it (then its
+        rows are unpacked and go the columns' way)."""
+        lo = p.summary[0]
+        if source_id is not None:
+            last = self._conn.execute(
+                f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
+                "ORDER BY last_offset DESC LIMIT 1",
+                (source_id,),
+            ).fetchone()
+            if last is not None:
+                if last[4] >= lo or (last[1] == run_id and last[5] + p.n <= SMALL_BLOCK):
+                    return self.insert_columns(run_id, source_id, decode(p.data))
+                self._close(last[0], last[14])
+        self.store.execute(
+            f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (run_id, source_id, *p.summary, p.data),
+        )
+        return p.n
+
     def _after_small_block(
         self, row: tuple[Any, ...] | None, run_id: int | None, cols: MetricColumns
     ) -> tuple[tuple[object, ...], bytes] | None:
@@ -480,7 +593,7 @@ class Metrics:
             (block_id,),
         )
         for bid, run_id, source_id, blob in cur:
-            yield Block(int(bid), run_id, source_id, decode(blob))
+            yield Block(int(bid), run_id, source_id, unpacked(blob))
 
     def blocks(
         self,
@@ -500,7 +613,7 @@ class Metrics:
             args,
         )
         for bid, rid, sid, blob in cur:
-            yield Block(int(bid), rid, sid, decode(blob))
+            yield Block(int(bid), rid, sid, unpacked(blob))
 
     @staticmethod
     def _where(
@@ -658,7 +771,7 @@ class Metrics:
             (run_id, step),
         )
         for bid, rid, sid, blob in cur:
-            yield Block(int(bid), rid, sid, decode(blob))
+            yield Block(int(bid), rid, sid, unpacked(blob))
 
     def last_step(self, run_id: int) -> int | None:
         row = self._conn.execute(

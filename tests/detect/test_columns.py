@@ -61,14 +61,22 @@ def _chunks(data: bytes, size: int) -> Iterator[tuple[int, bytes]]:
         off = end
 
 
-def _run(det: Detector, path: Path, size: int) -> list[Any]:
+def _run(det: Detector, path: Path, size: int, as_columns: bool = False) -> list[Any]:
+    """Per chunk: events, metric rows (as tuples), facts, state after it. ``as_columns``:
+    through ``feed_columns``, its columns turned into rows here."""
     data = path.read_bytes()
     state = StreamState()
     out: list[Any] = []
     for off, chunk in _chunks(data, size):
         facts: list[dict[str, Any]] = []
-        events, metrics = det.feed(chunk, off, state, str(path), facts=facts)
-        out.append((events, [tuple(m) for m in metrics], facts, state.to_json()))
+        if as_columns:
+            events, cols = det.feed_columns(chunk, off, state, str(path), facts=facts)
+            assert len(cols) == 13 and len({len(c) for c in cols}) == 1
+            rows = list(zip(*cols))
+        else:
+            events, metrics = det.feed(chunk, off, state, str(path), facts=facts)
+            rows = [tuple(m) for m in metrics]
+        out.append((events, rows, facts, state.to_json()))
     return out
 
 
@@ -77,8 +85,10 @@ def _compare(path: Path, sizes: tuple[int, ...] = (1 << 30, 4096)) -> Detector:
     for size in sizes:
         ref = _run(Detector(RULES, columns=False, default_year=2026), path, size)
         got = _run(cols, path, size)
-        assert len(ref) == len(got)
-        for i, (a, b) in enumerate(zip(ref, got)):
+        # the columns a worker packs: the same rows, in the same order
+        as_cols = _run(Detector(RULES, columns=True, default_year=2026), path, size, True)
+        assert len(ref) == len(got) == len(as_cols)
+        for i, (a, b) in enumerate([*zip(ref, got), *zip(got, as_cols)]):
             assert _same(a[0], b[0]), f"{path} chunk {i} (size {size}): events differ"
             assert _same(a[1], b[1]), f"{path} chunk {i} (size {size}): metrics differ"
             assert a[2] == b[2], f"{path} chunk {i}: facts differ"

@@ -72,9 +72,9 @@ def test_parallel_scan_stores_what_a_serial_scan_stores(
     used: list[int] = []
     real = pool_module.DetectorPool
 
-    def pool(detector: Any, workers: int) -> Any:
+    def pool(detector: Any, workers: int, **kw: Any) -> Any:
         used.append(workers)
-        return real(detector, workers)
+        return real(detector, workers, **kw)
 
     monkeypatch.setattr(pool_module, "DetectorPool", pool)
     parallel = scan(tmp_path / "parallel.db", base)

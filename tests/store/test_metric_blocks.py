@@ -22,7 +22,16 @@ from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.events import Metric
 from nanwatch.query import list_incidents
 from nanwatch.store import SCHEMA_VERSION, Store
-from nanwatch.store.metrics import SMALL_BLOCK, MetricColumns, Metrics, decode, encode
+from nanwatch.store.metrics import (
+    SMALL_BLOCK,
+    MetricColumns,
+    Metrics,
+    _summary,
+    decode,
+    encode,
+    pack,
+    unpacked,
+)
 from nanwatch.store.schema import MIGRATIONS
 
 from ..conftest import nanwatch
@@ -97,6 +106,87 @@ def test_both_insert_paths_store_the_same_iterations(tmp_path: Path) -> None:
     assert Metrics(a).count() == Metrics(b).count() == 50
     a.close()
     b.close()
+
+
+def _blocks(store: Store) -> list[tuple[object, ...]]:
+    return store.execute("SELECT * FROM metric_blocks ORDER BY id").fetchall()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_packed_chunk_is_stored_as_its_columns_would_be(tmp_path: Path, seed: int) -> None:
+    # chunks of every size around a small block's, read again from earlier offsets, of two
+    # runs: the packed path writes the very blocks (bytes and summaries) the columns' does
+    import random
+
+    rng = random.Random(seed)
+    a, run, src = _store(tmp_path / "a.db")
+    b, _, _ = _store(tmp_path / "b.db")
+    other = a.run_id("/q", "", "q")
+    assert b.run_id("/q", "", "q") == other
+    offset = 0
+    for _ in range(30):
+        n = rng.choice([1, 3, SMALL_BLOCK - 2, SMALL_BLOCK, SMALL_BLOCK + 5, 700])
+        if rng.random() < 0.2:
+            offset = max(0, offset - rng.randint(1, 50) * 10)  # read again from earlier
+        rows = [
+            _m(
+                offset + i * 10,
+                loss=rng.choice([None, float("nan"), 0.0, rng.random()]),
+                stage=rng.choice(["train", "train", "train", "val"]),
+                step_time=rng.random(),
+            )
+            for i in range(n)
+        ]
+        offset += n * 10
+        rid = run if rng.random() < 0.8 else other
+        cols = MetricColumns.from_rows(rows)
+        packed = pack(tuple(list(getattr(cols, f)) for f in Metric._fields))
+        assert packed is not None and len(packed) == n
+        with a.transaction():
+            got_a = a.insert_metric_columns(rid, src, cols)
+        with b.transaction():
+            got_b = b.insert_metrics(rid, src, packed)
+        assert got_a == got_b
+        assert _blocks(a) == _blocks(b)
+    assert Metrics(a).count() == Metrics(b).count() > 0
+    assert pack(tuple([] for _ in Metric._fields)) is None
+    a.close()
+    b.close()
+
+
+def test_a_block_read_column_by_column_is_the_block() -> None:
+    rows = [_m(i * 10, loss=None if i % 7 == 0 else 0.5 + i, lr=1e-4) for i in range(300)]
+    blob = encode(MetricColumns.from_rows(rows))
+    lazy = unpacked(blob)
+    assert len(lazy) == 300
+    assert lazy.step == decode(blob).step  # one column read first, then the rest
+    assert list(lazy.rows()) == list(decode(blob).rows()) == rows
+
+
+def test_a_block_s_trained_step_is_the_highest_with_a_finite_loss() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(1, 40)
+        rows = [
+            _m(
+                i * 10,
+                step=rng.choice([None, rng.randint(0, 60)]),
+                epoch=rng.choice([None, rng.randint(0, 5)]),
+                stage="train" if rng.random() < 0.9 else rng.choice(["val", None]),
+                loss=rng.choice([None, float("nan"), float("inf"), 0.0, 1e308, rng.random()]),
+            )
+            for i in range(n)
+        ]
+        cols = MetricColumns.from_rows(rows)
+        trained = [
+            r for r in rows if r.stage == "train" and r.loss is not None and math.isfinite(r.loss)
+        ]
+        steps = [r.step for r in trained if r.step is not None]
+        epochs = [r.epoch for r in trained if r.epoch is not None]
+        summary = _summary(cols)
+        assert summary[-2:] == (max(steps, default=None), max(epochs, default=None))
 
 
 def test_reading_a_chunk_again_never_doubles_an_iteration(tmp_path: Path) -> None:
