@@ -43,6 +43,19 @@ _NEW_RECORD = re.compile(
     r"During handling|The above exception|Exception raised from|"
     r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
 )
+HEAD_SAME = 12  # a line that begins as the line before it did (a logger's or worker's prefix)
+
+
+def _starts_record(line: str, nxt: str) -> bool:
+    """Does ``nxt`` start a record of its own, or may it be the hard-wrapped tail of ``line``?
+    A line that opens as the one before it did (``(VllmWorker TP1 pid=961) ERROR ...`` twice)
+    is a record of its own: a wrapped tail never repeats its line's head."""
+    if _NEW_RECORD.match(nxt):
+        return True
+    k = min(HEAD_SAME, len(line))
+    return k == HEAD_SAME and not line[:k].isspace() and nxt[:k] == line[:k]
+
+
 # the process that printed a CANN / torch_npu report: "EI0002: [PID: 3305] ...", "[ERROR]
 # 2026-... (PID:3305, Device:5, RankID:-1) ERR00100 ..." (reports of two processes are two reports)
 _REPORTER_PID = re.compile(r"(?:\[PID: ?|\(PID: ?)(\d{1,10})[\],]")
@@ -241,6 +254,8 @@ class Detector:
                     rank = state.pid_ranks.get(prefix_attrs["pid"])
                     if rank is not None:
                         prefix_attrs["rank"] = rank
+                if not prefix_attrs and raw == text and start > 0:
+                    prefix_attrs = self._wrapped_from(chunk, start, raw)
             if hits is not None:
                 for plan, m in hits:
                     if f.trace is not None:
@@ -366,6 +381,18 @@ class Detector:
         if f.trace is not None:
             f.trace.add(fmt.rule.id)
         return line_no, pos
+
+    def _wrapped_from(self, chunk: bytes, start: int, line: str) -> dict[str, Any]:
+        """The prefix attributes of the line before ``start`` when ``line`` (which has no
+        prefix) is its hard-wrapped tail: a terminal cut a long ``[rank6]:`` line, and the
+        detection's literal is on the tail."""
+        lo = chunk.rfind(b"\n", 0, start - 1) + 1
+        if start - 1 - lo < WRAP_MIN:
+            return {}
+        prev = decode_line(chunk[lo : start - 1])
+        if len(prev) < WRAP_MIN or _starts_record(prev, line):
+            return {}
+        return self._strip_prefixes(prev)[1]
 
     def prefix_attrs(self, line: str) -> dict[str, Any]:
         """The attributes (rank, node...) the prefixes of ``line`` carry."""
@@ -786,7 +813,7 @@ class Detector:
         wrap = WRAP_MIN <= len(text) < rule.max_chars
         if wrap and (m is None or m.end() >= len(text) - 40):
             more = self._following(chunk, end, 1)
-            if more and not _NEW_RECORD.match(more[0][0]):
+            if more and not _starts_record(text, more[0][0]):
                 joined = text + more[0][0]
                 m2 = self._search(rule, joined)
                 if (

@@ -36,8 +36,9 @@ _LOSS = re.compile(
     r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
 )
 _COUNTER = re.compile(
-    r"(?i)(?<![\w\-])(?P<key>epoch|ep|iteration|iter|step|global[ _]step|batch)s?\b['\"]?\]?"
-    r"[ \t]{0,3}[:=#]?[ \t]{0,3}[\[(]?[ \t]{0,3}(?P<n>\d{1,12})"
+    r"(?i)(?<![\w\-])(?P<key>epoch|ep|iteration|iter|step|global[ _]step|batch)s?"
+    r"(?:/(?:max|total|num)_?\w{0,12})?\b['\"]?\]?"  # a position's key: "global_step/max_steps"
+    r"[ \t]{0,3}[:=#]?[ \t]{0,3}['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})"
     r"(?:[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12}))?(?![\d.])"
 )
 # a progress bar's position: tqdm's "431/788222 [29:28<...", Keras' "365/5427 [=>..." and a
@@ -188,14 +189,34 @@ def before(
         if found is None:
             if p.loss:
                 found = p
-                if found.epoch is not None or not found.counted:
+                if found.epoch is not None and found.counted:
                     return found
+            elif _header(text, p):
+                # the report is inside a block of metric lines (one per line) whose header
+                # names the step: "Learning iteration 8391/10000", "t = 15500 / 300000"
+                return p
+            continue
+        if not found.counted:
+            # a block of metric lines: the counters are on the block's header above them,
+            # unless a line with a loss and counters of its own comes first (another step's)
+            if p.counted:
+                if p.loss:
+                    return found
+                return LineProgress(
+                    True, found.stage or p.stage, p.epoch, p.iter, p.step, found.rank
+                )
             continue
         if p.epoch is not None and not p.loss:
             return LineProgress(
                 found.loss, found.stage, p.epoch, found.iter, found.step, found.rank
             )
     return found
+
+
+def _header(text: str, p: LineProgress) -> bool:
+    """Is ``text`` a block's header: counters named by their words and no loss (not a bare
+    ``N/M``, which any progress bar, a shard loader's too, prints)?"""
+    return p.counted and not p.loss and _COUNTER.search(text) is not None
 
 
 def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:

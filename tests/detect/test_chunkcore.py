@@ -221,9 +221,9 @@ def test_a_scan_in_worker_processes_stores_the_same_with_either_core(
     started: list[int] = []
     real_pool = pool_module.DetectorPool
 
-    def pool(detector: Detector, workers: int) -> Any:
+    def pool(detector: Detector, workers: int, **kw: Any) -> Any:
         started.append(workers)
-        return real_pool(detector, workers)
+        return real_pool(detector, workers, **kw)
 
     monkeypatch.setattr(pool_module, "DetectorPool", pool)
     got = {}

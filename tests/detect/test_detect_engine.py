@@ -64,6 +64,51 @@ def test_a_report_split_over_two_chunks_stays_one_failure() -> None:
     assert third == []
 
 
+def test_a_line_that_opens_as_the_one_before_it_is_never_its_wrapped_tail() -> None:
+    # a serving worker's logger prefix on every line: the second line is a record of its own
+    # (here the report's timeout), not the rest of the first
+    head = "(EngineCore_0 dp=2 pid=7310) ERROR 11-30 08:42:17 [core.py:411] "
+    events, _ = feed(
+        [
+            head + "[ERROR] 2026-11-30-08:42:17 (PID:7310, Device:2, RankID:-1) ERR00100 PTA "
+            "call acl api failed",
+            head + "[Error]: The execution of the internal task times out.",
+        ]
+    )
+    assert [e.kind for e in events] == ["comm_timeout"]
+    assert "ERROR 11-30" not in events[0].message
+    # a long line whose tail the terminal wrapped is still read whole
+    wrapped, _ = feed(
+        [
+            "[rank4]:[E1130 08:42:17.004118 ProcessGroupNCCL.cpp:632] [Rank 4] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=77, OpType=ALLGATHER, Timeout(ms)=90",
+            "0000) ran for 900410 milliseconds before timing out.",
+        ]
+    )
+    assert [e.kind for e in wrapped] == ["comm_timeout"]
+    assert wrapped[0].fields["timeout_ms"] == 900000
+    assert wrapped[0].rank == 4
+    # the detection's words on the tail only: the rank is the wrapped line's
+    tail, _ = feed(
+        [
+            "[rank11]:[E1130 08:42:17.004118 ProcessGroupNCCL.cpp:1701] [PG ID 0 PG GUID 0(defau"
+            "lt_pg) Rank 11] ProcessGroupNCCL'",
+            "s watchdog got stuck for 300 seconds without making progress in monitoring enqueued "
+            "collectives.",
+        ]
+    )
+    assert [(e.kind, e.rank) for e in tail] == [("comm_timeout", 11)]
+    # a short line before is no wrapped line: its prefix is not lent
+    short, _ = feed(
+        [
+            "[rank2]: step 10",
+            "ProcessGroupNCCL's watchdog got stuck for 300 seconds without making progress in "
+            "monitoring enqueued collectives.",
+        ]
+    )
+    assert [(e.kind, e.rank) for e in short] == [("comm_timeout", None)]
+
+
 def test_interleaved_ranks_and_iterations_are_separate_events() -> None:
     events, _ = feed(
         [

@@ -20,6 +20,15 @@ from nanwatch.stream import StreamState
         ("eval epoch 2: val loss 0.44", "val", 2, None, None),
         # the modes disagree: nanoGPT's evaluation line says both
         ("step 2000: train loss 3.91, val loss 3.97", None, None, None, 2000),
+        # a JSON log whose position key names its total ("global_step/max_steps")
+        (
+            '{"loss": 0.8, "epoch": 0.41, "global_step/max_steps": "1310/4000"}',
+            "train",
+            None,
+            None,
+            1310,
+        ),
+        ('{"eval_loss": 0.6, "step": "25"}', "val", None, None, 25),
         # no loss and no counter: not a metric line
         ("loading shards 3/8 [=====>  ]", None, None, None, None),
     ],
@@ -52,6 +61,28 @@ def test_the_last_logged_step_before_a_report() -> None:
     # nothing below the floor is read
     at = chunk.index(b"Traceback")
     assert progress.before(chunk, at, floor=at) is None
+
+
+def test_a_report_inside_a_block_takes_the_step_its_header_names() -> None:
+    # one metric per line under a header that names the iteration (RL trainers, GAN loops)
+    chunk = (
+        b"   Learning iteration 640/5000\n"
+        b"\n"
+        b"      Value function loss: 0.113\n"
+        b"         Surrogate loss: nan\n"
+    )
+    got = progress.before(chunk, chunk.index(b"         Surrogate"))
+    assert got is not None and got.iter == 640
+    block = b"iter 90 of 1000\n  d_loss: 0.5\n  g_loss: 0.7\n  g_loss: nan\n"
+    got = progress.before(block, block.index(b"  g_loss: nan"))
+    assert got is not None and (got.iter, got.stage) == (90, "train")
+    # a loss line with counters of its own above the block is another step's: not borrowed
+    other = b"iter 89 loss 0.4\n  d_loss: 0.5\n  g_loss: nan\n"
+    got = progress.before(other, other.index(b"  g_loss: nan"))
+    assert got is not None and got.iter is None
+    # a bare position (a shard loader's bar) is no header
+    bar = b"Loading checkpoint shards: 100%|#####| 4/4 [00:03<00:00]\nRuntimeError: boom\n"
+    assert progress.before(bar, bar.index(b"RuntimeError")) is None
 
 
 def _events(text: str) -> list:
