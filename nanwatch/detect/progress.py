@@ -68,6 +68,14 @@ _STEP_LINE = re.compile(
     r"(?=[^\n]{0,2000}?(?<![\w])\[?loss\b(?:['\"]?[ \t]{0,3}[:=]|\][ \t]{0,3}[:=]?))"
     r"[^\n]{0,2000}?(?<![\w.])\[?(?:step|iter(?:ation)?)\b\]?['\"]?[ \t]{0,3}[:=\[]?[ \t]{0,3}\d"
 )
+# ... or it prints the learning rate beside an epoch, iteration or step counter, and no
+# evaluation word ("Epoch 10 ; Iter 50/213 ; LR 1.0000 ; PPL nan"): the optimizer's step
+_LR_COUNTER_LINE = re.compile(
+    r"(?i)^(?![^\n]{0,2000}?(?<![\w])(?:val|valid|validation|eval|evaluat\w*|test(?:ing)?)(?![a-z]))"
+    r"(?=[^\n]{0,2000}?(?<![\w.])(?:epoch|iter(?:ation)?|step)s?\b[ \t]{0,3}[:=#\[]?[ \t]{0,3}\d)"
+    r"[^\n]{0,2000}?(?<![\w.])(?:lr|learning[ _]rate)\b['\"]?"
+    r"(?:[ \t]{0,3}[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?\.?\d"
+)
 # A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
 # "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
 _LINE_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
@@ -251,7 +259,7 @@ def line_stage(text: str, line: LineProgress | None, *, nonfinite: bool) -> str 
     (a loss beside a learning rate, or beside a step counter with no evaluation word), else
     the mode :func:`read` found, else, for a non-finite value, a loss or gradient that no mode
     qualifies (:func:`training_value`)."""
-    if _TRAIN_LINE.search(text) or _STEP_LINE.search(text):
+    if _TRAIN_LINE.search(text) or _STEP_LINE.search(text) or _LR_COUNTER_LINE.search(text):
         return "train"
     if line is not None and line.stage is not None:
         return line.stage

@@ -161,3 +161,18 @@ def test_the_look_ahead_reads_only_the_next_lines() -> None:
 def test_a_plain_loss_line_with_no_counters_names_training() -> None:
     (ev,) = _events("loss:0.6931 acc:0.5012\nloss:0.6929 acc:0.5020\nKilled\n")
     assert ev.kind == "process_failure" and ev.stage == "train" and ev.step is None
+
+
+@pytest.mark.parametrize(
+    ("line", "stage"),
+    [
+        # a learning rate beside a counter, no evaluation word: the optimizer's step
+        ("Epoch 3 ; Iter 40/300 ; LR 0.5000 ; Target tokens/s 1800 ; PPL nan ;", "train"),
+        ("step 20 lr=3e-4 kl=nan", "train"),
+        # an evaluation word, or no counter: not told by the learning rate
+        ("eval epoch 3 lr 0.1 ppl nan", "val"),
+        ("lr: 0.001 ppl nan", None),
+    ],
+)
+def test_the_stage_an_event_line_names(line: str, stage: str | None) -> None:
+    assert progress.line_stage(line, progress.read(line), nonfinite=True) == stage
