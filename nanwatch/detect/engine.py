@@ -540,9 +540,11 @@ class Detector:
             v = values.get(key)
             if v is not None and v != "":
                 try:
-                    setattr(state, key, int(v))
+                    n = int(v)
                 except (TypeError, ValueError):
-                    pass
+                    continue
+                if n >= 0 or key not in ("rank", "local_rank"):
+                    setattr(state, key, n)
         for key in ("node", "device"):
             v = values.get(key)
             if v:
@@ -891,6 +893,8 @@ class Detector:
                 rank = int(values["rank"])
             except (TypeError, ValueError):
                 return
+            if rank < 0:
+                return  # "RankID:-1": the process does not know its rank
             known = state.pid_ranks or {}
             if known.get(pid) != rank and len(known) < 4096:
                 state.pid_ranks = {**known, pid: rank}
@@ -952,9 +956,12 @@ class Detector:
                 continue
             if k in _INT_ATTRS:
                 try:
-                    attrs[k] = int(v)
+                    n = int(v)
                 except (TypeError, ValueError):
                     continue
+                if n < 0 and k in ("rank", "local_rank"):
+                    continue  # "RankID:-1": not known to the process that printed it
+                attrs[k] = n
             elif k == "stage":
                 st = normalize_stage(str(v))
                 if st:

@@ -292,6 +292,13 @@ RANKS = {
         ],
         6,
     ),
+    "a report head whose rank is unknown (RankID:-1)": (
+        [
+            "(Worker_TP3 pid=4242) [ERROR] 2026-03-02-10:01:02 (PID:4242, Device:3, RankID:-1) "
+            "ERR00100 PTA call acl api failed."
+        ],
+        None,
+    ),
     "a peer's rank is not the reporter's": (
         ["[W socket.cpp:663] [c10d] connect to peer failed, remote rank=5", OOM],
         None,
