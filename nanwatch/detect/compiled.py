@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import Metric
 from ..stream import StreamState
+from . import core as _core
 from . import prefilter
 from .prefilter import Prefilter
 from .rules import TIERS, Rule, RuleSet, normalize_stage
@@ -59,6 +60,8 @@ class Compiled:
         # literal set, and per columns format the literals its rows do not need (columns.py)
         self._filters: dict[tuple[int, bool], tuple[Prefilter, list[int]]] = {}
         self._formats: list[ColumnFormat] | None = None
+        self._needles: tuple[bytes, ...] | None = None  # what ``_count`` counts in a chunk
+        self._counted: tuple[bytes, dict[bytes, int]] | None = None  # the last chunk's counts
         self.context_rules = [r for r in self.line_rules if r.type == "context"]
         # first match wins: most specific tier first, load order (site packs first) within one
         self.event_rules = sorted(
@@ -128,9 +131,12 @@ class Compiled:
         if fmt is not None:
             # an inert literal drops out only when each of its occurrences is inside a marker
             f = self.formats[fmt]
-            known = counts or {}
+            known = dict(counts or {})
+            if self._counted is not None and self._counted[0] is chunk:
+                known.update(self._counted[1])  # counted with the markers, in the same pass
             inert = all(
-                chunk.count(lit) == (known[m] if m in known else chunk.count(m))
+                (known[lit] if lit in known else chunk.count(lit))
+                == (known[m] if m in known else chunk.count(m))
                 for lit, m in f.inert
             )
         pf, keep = self.literal_filter(fmt, inert)
@@ -214,14 +220,31 @@ class Compiled:
     def format_for(self, chunk: bytes) -> tuple[int, dict[bytes, int]] | None:
         """The columns format whose rows this chunk holds and how often each of its markers
         occurs (None: no format's, or more than one format's)."""
+        if not self.formats:
+            return None
+        counted = self._count(chunk)
         found = None
         for i, f in enumerate(self.formats):
-            counts = {m: chunk.count(m) for m in f.markers}
+            counts = {m: counted[m] for m in f.markers}
             if any(counts.values()):
                 if found is not None:
                     return None
                 found = (i, counts)
         return found
+
+    def _count(self, chunk: bytes) -> dict[bytes, int]:
+        """How often every format's markers and inert literals occur in ``chunk``, counted in
+        one pass (the compiled core's) and kept for the chunk's prefilter (``_found``)."""
+        needles = self._needles
+        if needles is None:
+            seen: dict[bytes, None] = {}
+            for f in self.formats:
+                seen.update(dict.fromkeys(f.markers))
+                seen.update(dict.fromkeys(lit for lit, _ in f.inert))
+            needles = self._needles = tuple(seen)
+        counted = dict(zip(needles, _core.count_all(chunk, needles)))
+        self._counted = (chunk, counted)
+        return counted
 
     def with_rule(self, rules: frozenset[int] | None, index: int) -> frozenset[int]:
         """``rules`` and the chunk rule ``index`` (the sets are shared: kept, never mutated)."""

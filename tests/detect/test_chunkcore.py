@@ -479,3 +479,26 @@ def test_a_build_of_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch)
     assert mod is None
     v = chunkcore.CORE_VERSION
     assert why == f"stale build /x/_chunkcore.so (version {v - 1}, this nanwatch needs {v})"
+
+
+@needs_core
+@settings(max_examples=400, deadline=None)
+@given(
+    st.binary(max_size=300).map(lambda b: bytes(c % 6 + 97 if c > 40 else 10 for c in b)),
+    st.lists(
+        st.binary(min_size=1, max_size=4).map(lambda b: bytes(c % 6 + 97 for c in b)),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_one_pass_counts_are_bytes_count(data: bytes, needles: list[bytes]) -> None:
+    # overlapping needles ("aa" in "aaa") and needles sharing a first byte included
+    got = chunkcore.count_all(data, tuple(needles))
+    assert got == [data.count(n) for n in needles]
+
+
+def test_counts_without_the_core_are_bytes_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(chunkcore.PURE_ENV, "1")
+    data = b"Epoch(train) [1][10/20]\nIter(val) [3/9]\nEpoch(\n"
+    needles = (b"Epoch(", b"Iter(", b"poch", b"\n")
+    assert chunkcore.count_all(data, needles) == [2, 1, 2, 3]
