@@ -227,20 +227,32 @@ def _header(text: str, p: LineProgress) -> bool:
     return p.counted and not p.loss and _COUNTER.search(text) is not None
 
 
+REPEAT_HEAD = 16  # a line that begins as the report's own line did is the same notice again
+REPEATS_MAX = 64  # of those, how many the look-ahead steps over
+
+
 def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
     """The logged step within ``lines`` lines after the line at ``start``, when one prints a
     loss beside a counter: a report printed just before a step's log line (a skipped step's
     overflow notice, a warning raised inside the step) belongs to that step."""
     end = chunk.find(b"\n", start)
-    for _ in range(lines):
+    head = chunk[start : min(start + REPEAT_HEAD, end if end >= 0 else len(chunk))]
+    left, repeats = lines, REPEATS_MAX
+    while left > 0:
         if end < 0:
             return None
         nxt = chunk.find(b"\n", end + 1)
-        text = chunk[end + 1 : nxt if nxt >= 0 else len(chunk)].decode("utf-8", "replace")
-        p = read(text)
+        raw = chunk[end + 1 : nxt if nxt >= 0 else len(chunk)]
+        end = nxt
+        if len(head) == REPEAT_HEAD and raw.startswith(head) and repeats > 0:
+            # the same notice again ("Gradient overflow. Skipping step" before each step
+            # line): the step it belongs to is after the run of them
+            repeats -= 1
+            continue
+        left -= 1
+        p = read(raw.decode("utf-8", "replace"))
         if p is not None and p.loss and p.counted:
             return p
-        end = nxt
     return None
 
 

@@ -176,3 +176,13 @@ def test_a_plain_loss_line_with_no_counters_names_training() -> None:
 )
 def test_the_stage_an_event_line_names(line: str, stage: str | None) -> None:
     assert progress.line_stage(line, progress.read(line), nonfinite=True) == stage
+
+
+def test_a_notice_repeated_before_a_step_line_belongs_to_that_step() -> None:
+    notice = b"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0\n"
+    step = b"2026-11-30 08:42:17,004 trainer INFO: iter: 340  loss: nan (nan)  lr: 0.01\n"
+    got = progress.after(notice * 6 + step, 0)
+    assert got is not None and got.iter == 340
+    # other lines in between count: three of them and no step line is too far
+    other = b"".join(f"worker {i} waiting\n".encode() for i in range(3))
+    assert progress.after(notice + other + step, 0) is None
