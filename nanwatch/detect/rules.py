@@ -427,7 +427,11 @@ def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
         raise _fail(src, rid, f"pattern does not compile: {e}") from None
 
 
-def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
+# an example as the load cache keeps it: Example's fields in order (plain data, see _LoadCache)
+_ExampleRow = tuple[Any, ...]
+
+
+def _examples(src: Path, rid: str, raw: object) -> tuple[_ExampleRow, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -449,30 +453,37 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
         elif ev is not None and not isinstance(ev, dict):
             raise _fail(src, rid, f"example {i}: `event` must be a table or false")
         out.append(
-            Example(
-                lines=lines,
-                file=ex.get("file"),
-                event=ev,
-                events=ex.get("events"),
-                state=ex.get("state", {}),
-                metrics=ex.get("metrics"),
-                facts=ex.get("facts"),
-                claimed_by=ex.get("claimed_by"),
+            (
+                lines,
+                ex.get("file"),
+                ev,
+                ex.get("events"),
+                ex.get("state", {}),
+                ex.get("metrics"),
+                ex.get("facts"),
+                ex.get("claimed_by"),
             )
         )
     return tuple(out)
 
 
+def _make_examples(rows: Sequence[_ExampleRow]) -> tuple[Example, ...]:
+    return tuple(Example(*row) for row in rows)
+
+
+def _claim(src: Path, rid: str, seen: dict[str, Path]) -> None:
+    if rid in seen:
+        raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
+    seen[rid] = src
+
+
 def _load_pack(
-    src: Path,
-    data: Mapping[str, Any],
-    seen: dict[str, Path],
-    rs: RuleSet,
-    known: Mapping[str, Sequence[str]] | None = None,
-) -> dict[str, list[str]]:
-    """Add one pack to ``rs``; ``known``: its patterns were checked before (rule id -> group
-    names): they compile on first use. Returns the group names of every rule."""
-    groups_of: dict[str, list[str]] = {}
+    src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet
+) -> dict[str, Any]:
+    """Check one parsed pack and add it to ``rs`` (its patterns compiled: that is the check).
+    Returns what the load cache keeps of it, as plain data (see ``_restore_pack``)."""
+    kept_prefixes: list[tuple[str, str, tuple[_ExampleRow, ...]]] = []
+    kept_rules: list[tuple[dict[str, Any], bool, tuple[_ExampleRow, ...]]] = []
     pack = data.get("pack")
     if not isinstance(pack, dict) or not isinstance(pack.get("id"), str):
         raise _fail(src, None, 'missing [pack] table with an id (e.g. [pack] id = "mypack")')
@@ -493,25 +504,21 @@ def _load_pack(
         if not isinstance(rid, str):
             raise _fail(src, None, "a [[prefix]] entry has no id")
         _check_keys(src, rid, raw, _PREFIX_KEYS, "[[prefix]]")
-        if rid in seen:
-            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
-        seen[rid] = src
+        _claim(src, rid, seen)
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat.startswith("^"):
             raise _fail(src, rid, "a prefix needs a `pattern` anchored with ^")
-        cre = _compile_line(src, rid, pat) if known is None else _lazy_line(pat)
-        rs.prefixes.append(
-            Prefix(rid, pack_id, src, pat, cre, _examples(src, rid, raw.get("example")))
-        )
+        cre = _compile_line(src, rid, pat)
+        examples = _examples(src, rid, raw.get("example"))
+        kept_prefixes.append((rid, pat, examples))
+        rs.prefixes.append(Prefix(rid, pack_id, src, pat, cre, _make_examples(examples)))
 
     for raw in data.get("rule", []):
         rid = raw.get("id")
         if not isinstance(rid, str):
             raise _fail(src, None, "a [[rule]] has no id")
         _check_keys(src, rid, raw, _RULE_KEYS, "[[rule]]")
-        if rid in seen:
-            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
-        seen[rid] = src
+        _claim(src, rid, seen)
         rtype = raw.get("type", "event")
         if rtype not in ("event", "context"):
             raise _fail(src, rid, f"type must be 'event' or 'context', got {rtype!r}")
@@ -528,15 +535,9 @@ def _load_pack(
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat:
             raise _fail(src, rid, "missing `pattern`")
-        if known is None or rid not in known:
-            cre = _compile_line(src, rid, pat)
-            chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
-            groups = tuple(cre.groupindex)
-        else:
-            cre = _lazy_line(pat)
-            chunk_cre = _lazy_chunk(src, rid, pat) if raw.get("chunk") else None
-            groups = tuple(known[rid])
-        groups_of[rid] = list(groups)
+        cre = _compile_line(src, rid, pat)
+        chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
+        groups = tuple(cre.groupindex)
         types = dict(raw.get("types", {}))
         for fname, t in types.items():
             if t not in _TYPES:
@@ -631,40 +632,71 @@ def _load_pack(
             and not raw.get("hint")
             and (bool(metrics) or bool({"loss", "iter", "step"} & set(groups)))
         )
+        examples = _examples(src, rid, raw.get("example"))
+        kept = {
+            "id": rid,
+            "pack": pack_id,
+            "type": rtype,
+            "kind": kind,
+            "literals": tuple(lits),
+            "pattern": pat,
+            "set": sets,
+            "metrics": metrics,
+            "const": dict(raw.get("const", {})),
+            "types": types,
+            "message": raw.get("message"),
+            "hint": bool(raw.get("hint", False)),
+            "all_matches": bool(raw.get("all", False)),
+            "groups": groups,
+            "tier": tier,
+            "lines": nlines,
+            "alone": bool(raw.get("alone", False)),
+            "progress": progress,
+            "facts": dict(facts),
+            "max_chars": max_chars,
+            "entry": bool(raw.get("entry", False)),
+            "opens": opens,
+            "within": within,
+            "rising": rising,
+            "columns": columns,
+        }
+        kept_rules.append((kept, chunk_cre is not None, examples))
         rs.rules.append(
             Rule(
-                id=rid,
-                pack=pack_id,
                 source=src,
-                type=rtype,
-                kind=kind,
-                literals=tuple(lits),
-                pattern=pat,
                 cre=cre,
                 chunk_cre=chunk_cre,
-                set=sets,
-                metrics=metrics,
-                const=dict(raw.get("const", {})),
-                types=types,
-                message=raw.get("message"),
-                hint=bool(raw.get("hint", False)),
-                all_matches=bool(raw.get("all", False)),
-                examples=_examples(src, rid, raw.get("example")),
-                groups=groups,
-                tier=tier,
-                lines=nlines,
-                alone=bool(raw.get("alone", False)),
-                progress=progress,
-                facts=dict(facts),
-                max_chars=max_chars,
-                entry=bool(raw.get("entry", False)),
-                opens=opens,
-                within=within,
-                rising=rising,
-                columns=columns,
+                examples=_make_examples(examples),
+                **kept,
             )
         )
-    return groups_of
+    return {"pack": dict(pack), "prefixes": kept_prefixes, "rules": kept_rules}
+
+
+def _restore_pack(src: Path, kept: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet) -> None:
+    """Add a pack checked before (what ``_load_pack`` returned, from the load cache) to ``rs``
+    without checking it again: its patterns compile on first use. Ids are still claimed here:
+    another pack may have taken one since."""
+    pack = kept["pack"]
+    prefixes = [
+        Prefix(rid, pack["id"], src, pat, _lazy_line(pat), _make_examples(examples))
+        for rid, pat, examples in kept["prefixes"]
+    ]
+    rules = [
+        Rule(
+            source=src,
+            cre=_lazy_line(fields["pattern"]),
+            chunk_cre=_lazy_chunk(src, fields["id"], fields["pattern"]) if chunk else None,
+            examples=_make_examples(examples),
+            **fields,
+        )
+        for fields, chunk, examples in kept["rules"]
+    ]
+    for rid in [p.id for p in prefixes] + [r.id for r in rules]:
+        _claim(src, rid, seen)
+    rs.packs.append({**pack, "source": str(src)})
+    rs.prefixes.extend(prefixes)
+    rs.rules.extend(rules)
 
 
 def _lazy_line(pattern: str) -> _Lazy:
@@ -744,10 +776,9 @@ def load_rules(
         except OSError as e:
             raise RuleError(f"{f}: cannot read the rule pack: {e}") from None
         key = hashlib.sha256(raw).hexdigest()
-        hit = cache.get(key)
-        if hit is not None:
-            data, known = hit
-            _load_pack(f, data, seen, rs, known)
+        kept = cache.get(key)
+        if kept is not None:
+            _restore_pack(f, kept, seen, rs)
             continue
         # parsed only when the load cache does not know the pack
         if sys.version_info >= (3, 11):
@@ -758,7 +789,7 @@ def load_rules(
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
-        cache.put(key, data, _load_pack(f, data, seen, rs))
+        cache.put(key, _load_pack(f, data, seen, rs))
     cache.save()
     if check and site:
         _check_site(rs, set(pack_files(site)))
@@ -766,10 +797,11 @@ def load_rules(
 
 
 class _LoadCache:
-    """Packs read and checked before, by the hash of their text: the parsed TOML and each
-    rule's group names, so that a start neither parses nor compiles them again (patterns then
-    compile on first use). One file in the cache directory, keyed by the code that checks them;
-    marshal, not pickle: plain data only, nothing in it runs."""
+    """Packs read and checked before, by the hash of their text: what the check made of each
+    (``_load_pack``: every rule's fields, its examples, its pattern's group names), so that a
+    start neither parses, checks nor compiles them again (patterns then compile on first use).
+    One file in the cache directory, keyed by the code that checks them; marshal, not pickle:
+    plain data only, nothing in it runs."""
 
     def __init__(self) -> None:
         from .prefilter import cache_dir
@@ -799,15 +831,15 @@ class _LoadCache:
         except (OSError, EOFError, ValueError, TypeError):
             pass
 
-    def get(self, key: str) -> tuple[Mapping[str, Any], Mapping[str, Sequence[str]]] | None:
+    def get(self, key: str) -> Mapping[str, Any] | None:
         got = self.entries.get(key)
-        if not (isinstance(got, tuple) and len(got) == 2):
+        if not (isinstance(got, dict) and {"pack", "prefixes", "rules"} <= got.keys()):
             return None
         self.used.add(key)
-        return got[0], got[1]
+        return got
 
-    def put(self, key: str, data: Mapping[str, Any], groups: Mapping[str, list[str]]) -> None:
-        self.entries[key] = (data, dict(groups))
+    def put(self, key: str, kept: Mapping[str, Any]) -> None:
+        self.entries[key] = kept
         self.used.add(key)
         self.dirty = True
 
