@@ -26,8 +26,15 @@ OPTIONAL_PACKAGES = (
 )
 # the msprobe row and dump readers (a monitor CSV or dump), checkpoint shapes, the knowledge
 # base (a first incident), the worker pool (a big scan), the watcher (`watch`), the senders
-# (a configured sink), the fleet store
+# (a configured sink), the fleet store, the detection engine and its line readers (a first
+# text file)
 LAZY_FOR_SCAN = (
+    "nanwatch.detect.engine",
+    "nanwatch.detect.compiled",
+    "nanwatch.detect.columns",
+    "nanwatch.detect.progress",
+    "nanwatch.detect.reports",
+    "nanwatch.detect.timestamps",
     "nanwatch.detect.msprobe.csvrows",
     "nanwatch.detect.msprobe.rows",
     "nanwatch.detect.msprobe.dump",
