@@ -101,6 +101,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import io
 import marshal
 import os
 import re
@@ -225,6 +226,8 @@ def convert(value: str, typ: str) -> Any:
 
 @dataclass(frozen=True)
 class Example:
+    """One ``[[rule.example]]``: real-format lines and what they must give."""
+
     lines: tuple[str, ...]
     file: str | None
     event: Mapping[str, Any] | None  # None: no event expected
@@ -238,6 +241,8 @@ class Example:
 
 @dataclass(frozen=True)
 class Prefix:
+    """A ``[[prefix]]``: a line head that carries rank/node, stripped before the rules match."""
+
     id: str
     pack: str
     source: Path
@@ -248,6 +253,8 @@ class Prefix:
 
 @dataclass(frozen=True)
 class Rule:
+    """A ``[[rule]]`` of a pack, checked (see the module's docstring for its keys)."""
+
     id: str
     pack: str
     source: Path
@@ -767,15 +774,31 @@ def load_rules(
     dirs = [*site]
     if builtin:
         dirs.append(shipped)
-    rs = RuleSet()
-    seen: dict[str, Path] = {}
-    cache = _LoadCache()
+    packs: list[tuple[Path, bytes, str]] = []
     for f in pack_files(dirs):
         try:
             raw = f.read_bytes()
         except OSError as e:
             raise RuleError(f"{f}: cannot read the rule pack: {e}") from None
-        key = hashlib.sha256(raw).hexdigest()
+        packs.append((f, raw, hashlib.sha256(raw).hexdigest()))
+    cache = _LoadCache()
+    together = hashlib.sha256(" ".join(key for _, _, key in packs).encode()).hexdigest()
+    if together in cache.loads and not (check and site):
+        # these very packs, together, were checked before: the rules are built from the cache
+        # when first looked at (a start that reads no text builds none)
+        return _Deferred(lambda: _build(packs, cache, together))
+    rs = _build(packs, cache, together)
+    if check and site:
+        _check_site(rs, set(pack_files(site)))
+    return rs
+
+
+def _build(packs: Sequence[tuple[Path, bytes, str]], cache: _LoadCache, together: str) -> RuleSet:
+    """The rule set of ``packs`` (path, text, hash of the text): the packs the cache knows are
+    built from it, the others parsed and checked (then kept in the cache)."""
+    rs = RuleSet()
+    seen: dict[str, Path] = {}
+    for f, raw, key in packs:
         kept = cache.get(key)
         if kept is not None:
             _restore_pack(f, kept, seen, rs)
@@ -790,18 +813,42 @@ def load_rules(
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
         cache.put(key, _load_pack(f, data, seen, rs))
+    cache.checked_together(together)
     cache.save()
-    if check and site:
-        _check_site(rs, set(pack_files(site)))
     return rs
+
+
+class _Deferred(RuleSet):
+    """A rule set whose packs were all checked before, together: its packs, prefixes and rules
+    are built (``build``) when first looked at."""
+
+    def __init__(self, build: Callable[[], RuleSet]) -> None:
+        # no RuleSet.__init__: the fields are what ``build`` gives, on first use
+        self.__dict__["_build"] = build
+
+    def __getattr__(self, name: str) -> Any:
+        build = self.__dict__.get("_build") if name in _RULESET_FIELDS else None
+        if build is None:
+            raise AttributeError(name)
+        rs = build()
+        self.packs, self.prefixes, self.rules = rs.packs, rs.prefixes, rs.rules
+        del self.__dict__["_build"]
+        return getattr(self, name)
+
+
+_RULESET_FIELDS = ("packs", "prefixes", "rules")
 
 
 class _LoadCache:
     """Packs read and checked before, by the hash of their text: what the check made of each
     (``_load_pack``: every rule's fields, its examples, its pattern's group names), so that a
-    start neither parses, checks nor compiles them again (patterns then compile on first use).
-    One file in the cache directory, keyed by the code that checks them; marshal, not pickle:
-    plain data only, nothing in it runs."""
+    start neither parses, checks nor compiles them again (patterns then compile on first use);
+    and which sets of packs were loaded together (their ids did not clash), so that a start
+    loading the same set builds nothing until a rule is looked at.
+
+    One file in the cache directory, keyed by the code that checks them: two marshal values,
+    the sets first (small: a start reads only them), then the packs; marshal, not pickle: plain
+    data only, nothing in it runs."""
 
     def __init__(self) -> None:
         from .prefilter import cache_dir
@@ -817,19 +864,37 @@ class _LoadCache:
                 h.update(Path(mod).read_bytes())
             except OSError:
                 h.update(mod.encode())
-        self.path = cache_dir() / f"rules-{h.hexdigest()[:24]}.marshal"
-        self.entries: dict[str, Any] = {}
+        self.path: Path | None = cache_dir() / f"rules-{h.hexdigest()[:24]}.marshal"
+        self.loads: set[str] = set()
+        self._entries: dict[str, Any] | None = None
+        self._rest = b""  # the packs, unmarshalled when one is first asked for
         self.used: set[str] = set()
         self.dirty = False
         if os.environ.get("NANWATCH_NO_RULE_CACHE"):
-            self.path = None  # type: ignore[assignment]
+            self.path = None
             return
         try:
-            loaded = marshal.loads(self.path.read_bytes())
-            if isinstance(loaded, dict):
-                self.entries = loaded
+            blob = self.path.read_bytes()
+            f = io.BytesIO(blob)
+            loads = marshal.load(f)
+            if isinstance(loads, list) and all(isinstance(x, str) for x in loads):
+                self.loads = set(loads)
+                self._rest = blob[f.tell() :]
         except (OSError, EOFError, ValueError, TypeError):
             pass
+
+    @property
+    def entries(self) -> dict[str, Any]:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                loaded = marshal.loads(self._rest) if self._rest else None
+                if isinstance(loaded, dict):
+                    self._entries = loaded
+            except (EOFError, ValueError, TypeError):
+                pass
+            self._rest = b""
+        return self._entries
 
     def get(self, key: str) -> Mapping[str, Any] | None:
         got = self.entries.get(key)
@@ -843,12 +908,19 @@ class _LoadCache:
         self.used.add(key)
         self.dirty = True
 
+    def checked_together(self, together: str) -> None:
+        """The packs of this load were checked together (see ``load_rules``)."""
+        if together not in self.loads:
+            self.dirty = True
+        self.loads = {together}  # the file keeps this load's packs only
+
     def save(self) -> None:
         if not self.dirty or self.path is None:
             return
         try:
             # the packs of this load only: edited packs do not pile up
-            blob = marshal.dumps({k: v for k, v in self.entries.items() if k in self.used})
+            packs = {k: v for k, v in self.entries.items() if k in self.used}
+            blob = marshal.dumps(sorted(self.loads)) + marshal.dumps(packs)
         except ValueError:
             return  # a TOML value marshal cannot hold (a date): checked again at each start
         try:

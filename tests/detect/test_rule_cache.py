@@ -4,6 +4,7 @@ compiling them again; a changed pack is checked again, whatever the cache holds.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,3 +121,59 @@ def test_an_id_taken_by_another_pack_is_refused_from_the_cache_too(
     (site / "a_other.toml").write_text(PACK.replace('id = "site"', 'id = "other"'))
     with pytest.raises(RuleError, match=r"duplicate id"):
         load_rules([site])
+
+
+def _count_restores(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from nanwatch.detect import rules
+
+    restored: list[str] = []
+    real = rules._restore_pack
+
+    def counting(src: Path, *args: Any) -> None:
+        restored.append(src.name)
+        real(src, *args)
+
+    monkeypatch.setattr(rules, "_restore_pack", counting)
+    return restored
+
+
+def test_the_same_packs_again_build_no_rule_until_one_is_looked_at(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanwatch.detect.rules import RuleSet
+
+    site = _site(tmp_path, PACK)
+    first = load_rules([site], check=False)
+    ids = [r.id for r in first.rules]
+    restored = _count_restores(monkeypatch)
+    again = load_rules([site], check=False)
+    assert isinstance(again, RuleSet)
+    assert restored == []  # nothing unmarshalled, nothing built
+    assert [r.id for r in again.rules] == ids
+    assert restored and restored[0] == "site.toml"  # every pack, once
+    n = len(restored)
+    assert again.by_id("site.boom") is not None and len(restored) == n
+
+
+def test_a_scan_that_reads_no_text_builds_no_rule(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanwatch.config import Config
+    from nanwatch.daemon.pipeline import Pipeline
+    from nanwatch.store import Store
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    log = tmp_path / "logs" / "rank0.log"
+    log.parent.mkdir()
+    log.write_text("BOOM code=7\n")
+    load_rules()  # a first start: every shipped pack checked and kept
+    restored = _count_restores(monkeypatch)
+    store = Store.open(tmp_path / "nw.db")
+    try:
+        Pipeline(Config(), store, [str(empty)]).scan()
+        assert restored == []
+        Pipeline(Config(), store, [str(log.parent)]).scan()
+        assert restored  # a text file: the rules were built for it
+    finally:
+        store.close()
