@@ -126,3 +126,22 @@ def test_scan_and_watch_help_load_neither_config_nor_store(tmp_path: Path) -> No
         assert "nanwatch.cli.ingest" in names, args
         assert loaded(names, ("nanwatch.config", "nanwatch.store", "sqlite3")) == [], args
         assert loaded(names, ("nanwatch.detect", "nanwatch.daemon", "nanwatch.sources")) == [], args
+
+
+def test_the_records_every_start_builds_carry_a_docstring() -> None:
+    """A dataclass without one gets a docstring made from ``inspect.signature`` as its module
+    loads: the config's sections and the rule packs' records are built by every start."""
+    import dataclasses
+
+    from nanwatch import config
+    from nanwatch.detect import rules
+
+    classes = [
+        v
+        for mod in (config, rules)
+        for v in vars(mod).values()
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == mod.__name__
+    ]
+    assert len(classes) >= 15
+    generated = [c.__name__ for c in classes if (c.__doc__ or "").startswith(c.__name__ + "(")]
+    assert generated == []
