@@ -126,6 +126,8 @@ def default_db_path() -> Path:
 
 @dataclass(frozen=True)
 class SourcesConfig:
+    """[sources]: what `watch` follows without PATH, and how it learns that files changed."""
+
     paths: tuple[str, ...] = ()
     mode: str = "auto"  # auto | inotify | poll
     poll_interval: float = 2.0
@@ -133,11 +135,15 @@ class SourcesConfig:
 
 @dataclass(frozen=True)
 class DetectConfig:
+    """[detect]: site rule packs, read before the shipped ones."""
+
     rule_dirs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class KnowledgeConfig:
+    """[knowledge]: site known causes, and versions and timeouts that override the logs'."""
+
     dirs: tuple[str, ...] = ()
     cann_version: str | None = None
     hccl_exec_timeout: float | None = None
@@ -146,17 +152,23 @@ class KnowledgeConfig:
 
 @dataclass(frozen=True)
 class ShapesConfig:
+    """[shapes]: the checkpoint msprobe findings are looked up in (else the run's newest)."""
+
     checkpoint: str | None = None
 
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """[store]: retention: how long rows are kept, how big the live data may grow."""
+
     keep: float | None = None  # seconds; None keeps everything
     max_size: int | None = None  # bytes of live data; the oldest rows go first beyond it
 
 
 @dataclass(frozen=True)
 class AlertsConfig:
+    """[alerts]: when incidents are notified, repeated and resolved (seconds)."""
+
     group_wait: float = 30.0
     group_interval: float = 300.0
     repeat_interval: float = 4 * 3600.0
@@ -165,6 +177,8 @@ class AlertsConfig:
 
 @dataclass(frozen=True)
 class SlackConfig:
+    """[slack]: where notifications go in Slack (bot token or webhook), and routes."""
+
     enabled: bool = False
     channel: str | None = None
     token_file: str | None = None
@@ -176,16 +190,22 @@ class SlackConfig:
 
 @dataclass(frozen=True)
 class AlertmanagerConfig:
+    """[alertmanager]: the Alertmanager instances incidents are posted to."""
+
     urls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """[metrics]: the Prometheus endpoint's address."""
+
     listen: str | None = None
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """[cluster]: the job, run and node names this node's runs take."""
+
     job: str | None = None
     run: str | None = None
     node: str | None = None
@@ -205,6 +225,8 @@ class FleetConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """The whole configuration file: every section, with its defaults when absent."""
+
     path: Path | None = None
     db: Path | None = None
     sources: SourcesConfig = field(default_factory=SourcesConfig)

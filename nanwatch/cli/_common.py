@@ -1,4 +1,8 @@
-"""Shared CLI plumbing: options, config and store opening, error reporting."""
+"""Shared CLI plumbing: options, config and store opening, error reporting.
+
+The config and the store load when a command first opens them, not when the options are
+declared: `scan --help` and `watch --help` read neither.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,15 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
-from ..config import Config, default_db_path, load_config
 from ..errors import ConfigError, NanwatchError, StoreError
-from ..store import Store
-from ..store.db import damaged, is_damage
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])  # a click option decorates any command
 P = ParamSpec("P")
@@ -103,6 +108,9 @@ def handle_errors(f: Callable[P, R]) -> Callable[P, R]:
         except Exception as e:
             # a query met a damaged page the bounded check at open did not reach (the store
             # knows SQLite's words for it: this module has no business with sqlite3)
+            from ..store import Store
+            from ..store.db import damaged, is_damage
+
             if not is_damage(e):
                 raise
             click.echo(f"nanwatch: error: {damaged(Store.last_opened or '?', str(e))}", err=True)
@@ -126,6 +134,8 @@ def setup_logging(verbose: int, *, quiet_default: bool = False) -> None:
 
 
 def resolve(config_path: Path | None, db: Path | None) -> tuple[Config, Path]:
+    from ..config import load_config
+
     config = load_config(config_path)
     return config, (db if db is not None else config.db_path())
 
@@ -139,6 +149,8 @@ def find_db(config_path: Path | None, db: Path | None) -> tuple[Config, Path, st
     """The database read commands use, the way the service finds it, and where that came from
     (None for --db and the per-user default): --db; the `db` of --config/$NANWATCH_CONFIG;
     $NANWATCH_DB; the `db` of the service's config (SYSTEM_CONFIG); the per-user state path."""
+    from ..config import default_db_path, load_config
+
     config = load_config(config_path)
     if db is not None:
         return config, db, None
@@ -168,6 +180,8 @@ def find_db(config_path: Path | None, db: Path | None) -> tuple[Config, Path, st
 def open_reader(config_path: Path | None, db: Path | None, *, quiet: bool = False) -> Store:
     """Open the database for reading; name it on stderr (unless ``quiet``: --json) when it is
     not the one the user named or the per-user default."""
+    from ..store import Store
+
     _, path, origin = find_db(config_path, db)
     if origin is not None and not quiet:
         click.echo(f"nanwatch: database {path} ({origin})", err=True)

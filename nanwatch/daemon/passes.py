@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from ..config import Config
 from ..correlate import Change, Correlator
 from ..correlate.chains import Timeouts
-from ..detect.engine import Detector
 from ..detect.msprobe.reader import MonitorReader
 from ..detect.rules import RuleSet, load_rules
 from ..sources import Chunk, Root, SourceRecord, Tracker, make_roots
@@ -32,10 +31,12 @@ from .run_identity import RunIdentity
 
 # what only some passes need loads when first needed: the worker pool (a scan of more than
 # POOL_MIN_BYTES), the outbox (a configured sink), the knowledge base (a first incident's
-# hints), checkpoint shapes (a first msprobe finding to explain)
+# hints), checkpoint shapes (a first msprobe finding to explain), the detection engine (a first
+# text file)
 if TYPE_CHECKING:
     from ..correlate.knowledge import Knowledge
     from ..correlate.shapes import ShapeResolver
+    from ..detect.engine import Detector
     from ..detect.pool import DetectorPool, Done
     from ..notify.outbox import Outbox, Sink
 
@@ -60,6 +61,12 @@ def _knowledge(config: Config) -> Knowledge | Callable[[], Knowledge]:
         return Knowledge.load(config.knowledge.dirs, cann_version=config.knowledge.cann_version)
 
     return load() if config.knowledge.dirs else load
+
+
+def _detector(rules: RuleSet) -> Detector:
+    from ..detect.engine import Detector
+
+    return Detector(rules)
 
 
 def _shape_lookup(config: Config) -> Callable[[str | None, str, list[int] | None], Any]:
@@ -187,7 +194,8 @@ class Passes:
         self._run_arg = run
         self.roots = make_roots(list(paths), must_exist=not live)
         self.rules = rules if rules is not None else load_rules(config.detect.rule_dirs)
-        self.router = Router(Detector(self.rules), MonitorReader(_shape_lookup(config)))
+        rs = self.rules
+        self.router = Router(lambda: _detector(rs), MonitorReader(_shape_lookup(config)))
         self.stats = Stats()
         self.identity = RunIdentity(store, config.cluster, forced_run=run or config.cluster.run)
         self.sources = Sources(store)
@@ -380,7 +388,8 @@ class Passes:
         return sorted(ids | self.stats.runs)
 
     def counters(self) -> dict[str, int]:
-        return {**self.tracker.counters, **self.router.monitor.counters, **self.detector.counters}
+        detector = self.router.detector_counters()
+        return {**self.tracker.counters, **self.router.monitor.counters, **detector}
 
     # -- reload ----------------------------------------------------------------------------------
 
@@ -405,8 +414,8 @@ class Passes:
             self.correlator.resolve_after = config.alerts.resolve_after
         if rules is not None:
             self.rules = rules
-            counters = self.detector.counters
-            self.router.detector = Detector(rules)
+            counters = self.router.detector_counters()
+            self.router.detector = _detector(rules)
             self.router.detector.counters.update(counters)  # counters count since start
         if sinks is not None:
             self.sinks = list(sinks)

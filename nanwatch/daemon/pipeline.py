@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..correlate import Change, Correlator
-from ..detect import Detector, RuleSet
 from ..errors import StoreError
 from ..sources import Root, Tracker, make_roots
 from ..store import Store
@@ -25,6 +24,7 @@ from .passes import Passes
 # `scan` reads once and, without --notify, delivers nothing: the watcher, the sender and the
 # fleet forwarder load where `watch` (or a configured sink) first needs them
 if TYPE_CHECKING:
+    from ..detect import Detector, RuleSet
     from ..notify.forward import Forwarder
     from ..notify.outbox import Outbox, Result, Sender, Sink
     from ..sources.watcher import Watcher

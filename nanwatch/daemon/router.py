@@ -7,24 +7,49 @@ place, read whole when they change (``snapshot``); every other file is text for 
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Literal
 
-from ..detect import Detector
 from ..detect.msprobe import MonitorReader
 from ..events import Event, Metric
 from ..sources import Chunk, SourceRecord
 from ..store.records import JSON
 from ..stream import StreamState
 
+if TYPE_CHECKING:  # the engine loads with the first text file (a start that reads none needs none)
+    from ..detect import Detector
+
 Route = Literal["rules", "monitor", "snapshot"]
 
 
 class Router:
-    """Routes files to the rule packs or the monitor readers; holds both."""
+    """Routes files to the rule packs or the monitor readers; holds both. ``detector`` may be
+    a function that builds it: called when a first text file needs it."""
 
-    def __init__(self, detector: Detector, monitor: MonitorReader) -> None:
-        self.detector = detector
+    def __init__(self, detector: Detector | Callable[[], Detector], monitor: MonitorReader) -> None:
+        self._detector: Detector | None = None
+        self._make: Callable[[], Detector] | None = None
+        if callable(detector):
+            self._make = detector
+        else:
+            self._detector = detector
         self.monitor = monitor
+
+    @property
+    def detector(self) -> Detector:
+        d = self._detector
+        if d is None:
+            assert self._make is not None
+            d = self._detector = self._make()
+        return d
+
+    @detector.setter
+    def detector(self, detector: Detector) -> None:
+        self._detector = detector
+
+    def detector_counters(self) -> Mapping[str, int]:
+        """The detector's counters; none when no text was read (no detector was built)."""
+        return self._detector.counters if self._detector is not None else {}
 
     def route(self, rec: SourceRecord) -> Route:
         kind = self.monitor.route(rec.path)

@@ -101,6 +101,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import io
 import marshal
 import os
 import re
@@ -225,6 +226,8 @@ def convert(value: str, typ: str) -> Any:
 
 @dataclass(frozen=True)
 class Example:
+    """One ``[[rule.example]]``: real-format lines and what they must give."""
+
     lines: tuple[str, ...]
     file: str | None
     event: Mapping[str, Any] | None  # None: no event expected
@@ -238,6 +241,8 @@ class Example:
 
 @dataclass(frozen=True)
 class Prefix:
+    """A ``[[prefix]]``: a line head that carries rank/node, stripped before the rules match."""
+
     id: str
     pack: str
     source: Path
@@ -248,6 +253,8 @@ class Prefix:
 
 @dataclass(frozen=True)
 class Rule:
+    """A ``[[rule]]`` of a pack, checked (see the module's docstring for its keys)."""
+
     id: str
     pack: str
     source: Path
@@ -427,7 +434,11 @@ def _compile_chunk(src: Path, rid: str, pattern: str) -> Any:
         raise _fail(src, rid, f"pattern does not compile: {e}") from None
 
 
-def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
+# an example as the load cache keeps it: Example's fields in order (plain data, see _LoadCache)
+_ExampleRow = tuple[Any, ...]
+
+
+def _examples(src: Path, rid: str, raw: object) -> tuple[_ExampleRow, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -449,30 +460,37 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[Example, ...]:
         elif ev is not None and not isinstance(ev, dict):
             raise _fail(src, rid, f"example {i}: `event` must be a table or false")
         out.append(
-            Example(
-                lines=lines,
-                file=ex.get("file"),
-                event=ev,
-                events=ex.get("events"),
-                state=ex.get("state", {}),
-                metrics=ex.get("metrics"),
-                facts=ex.get("facts"),
-                claimed_by=ex.get("claimed_by"),
+            (
+                lines,
+                ex.get("file"),
+                ev,
+                ex.get("events"),
+                ex.get("state", {}),
+                ex.get("metrics"),
+                ex.get("facts"),
+                ex.get("claimed_by"),
             )
         )
     return tuple(out)
 
 
+def _make_examples(rows: Sequence[_ExampleRow]) -> tuple[Example, ...]:
+    return tuple(Example(*row) for row in rows)
+
+
+def _claim(src: Path, rid: str, seen: dict[str, Path]) -> None:
+    if rid in seen:
+        raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
+    seen[rid] = src
+
+
 def _load_pack(
-    src: Path,
-    data: Mapping[str, Any],
-    seen: dict[str, Path],
-    rs: RuleSet,
-    known: Mapping[str, Sequence[str]] | None = None,
-) -> dict[str, list[str]]:
-    """Add one pack to ``rs``; ``known``: its patterns were checked before (rule id -> group
-    names): they compile on first use. Returns the group names of every rule."""
-    groups_of: dict[str, list[str]] = {}
+    src: Path, data: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet
+) -> dict[str, Any]:
+    """Check one parsed pack and add it to ``rs`` (its patterns compiled: that is the check).
+    Returns what the load cache keeps of it, as plain data (see ``_restore_pack``)."""
+    kept_prefixes: list[tuple[str, str, tuple[_ExampleRow, ...]]] = []
+    kept_rules: list[tuple[dict[str, Any], bool, tuple[_ExampleRow, ...]]] = []
     pack = data.get("pack")
     if not isinstance(pack, dict) or not isinstance(pack.get("id"), str):
         raise _fail(src, None, 'missing [pack] table with an id (e.g. [pack] id = "mypack")')
@@ -493,25 +511,21 @@ def _load_pack(
         if not isinstance(rid, str):
             raise _fail(src, None, "a [[prefix]] entry has no id")
         _check_keys(src, rid, raw, _PREFIX_KEYS, "[[prefix]]")
-        if rid in seen:
-            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
-        seen[rid] = src
+        _claim(src, rid, seen)
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat.startswith("^"):
             raise _fail(src, rid, "a prefix needs a `pattern` anchored with ^")
-        cre = _compile_line(src, rid, pat) if known is None else _lazy_line(pat)
-        rs.prefixes.append(
-            Prefix(rid, pack_id, src, pat, cre, _examples(src, rid, raw.get("example")))
-        )
+        cre = _compile_line(src, rid, pat)
+        examples = _examples(src, rid, raw.get("example"))
+        kept_prefixes.append((rid, pat, examples))
+        rs.prefixes.append(Prefix(rid, pack_id, src, pat, cre, _make_examples(examples)))
 
     for raw in data.get("rule", []):
         rid = raw.get("id")
         if not isinstance(rid, str):
             raise _fail(src, None, "a [[rule]] has no id")
         _check_keys(src, rid, raw, _RULE_KEYS, "[[rule]]")
-        if rid in seen:
-            raise _fail(src, rid, f"duplicate id (also in {seen[rid]})")
-        seen[rid] = src
+        _claim(src, rid, seen)
         rtype = raw.get("type", "event")
         if rtype not in ("event", "context"):
             raise _fail(src, rid, f"type must be 'event' or 'context', got {rtype!r}")
@@ -528,15 +542,9 @@ def _load_pack(
         pat = raw.get("pattern")
         if not isinstance(pat, str) or not pat:
             raise _fail(src, rid, "missing `pattern`")
-        if known is None or rid not in known:
-            cre = _compile_line(src, rid, pat)
-            chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
-            groups = tuple(cre.groupindex)
-        else:
-            cre = _lazy_line(pat)
-            chunk_cre = _lazy_chunk(src, rid, pat) if raw.get("chunk") else None
-            groups = tuple(known[rid])
-        groups_of[rid] = list(groups)
+        cre = _compile_line(src, rid, pat)
+        chunk_cre = _compile_chunk(src, rid, pat) if raw.get("chunk") else None
+        groups = tuple(cre.groupindex)
         types = dict(raw.get("types", {}))
         for fname, t in types.items():
             if t not in _TYPES:
@@ -631,40 +639,71 @@ def _load_pack(
             and not raw.get("hint")
             and (bool(metrics) or bool({"loss", "iter", "step"} & set(groups)))
         )
+        examples = _examples(src, rid, raw.get("example"))
+        kept = {
+            "id": rid,
+            "pack": pack_id,
+            "type": rtype,
+            "kind": kind,
+            "literals": tuple(lits),
+            "pattern": pat,
+            "set": sets,
+            "metrics": metrics,
+            "const": dict(raw.get("const", {})),
+            "types": types,
+            "message": raw.get("message"),
+            "hint": bool(raw.get("hint", False)),
+            "all_matches": bool(raw.get("all", False)),
+            "groups": groups,
+            "tier": tier,
+            "lines": nlines,
+            "alone": bool(raw.get("alone", False)),
+            "progress": progress,
+            "facts": dict(facts),
+            "max_chars": max_chars,
+            "entry": bool(raw.get("entry", False)),
+            "opens": opens,
+            "within": within,
+            "rising": rising,
+            "columns": columns,
+        }
+        kept_rules.append((kept, chunk_cre is not None, examples))
         rs.rules.append(
             Rule(
-                id=rid,
-                pack=pack_id,
                 source=src,
-                type=rtype,
-                kind=kind,
-                literals=tuple(lits),
-                pattern=pat,
                 cre=cre,
                 chunk_cre=chunk_cre,
-                set=sets,
-                metrics=metrics,
-                const=dict(raw.get("const", {})),
-                types=types,
-                message=raw.get("message"),
-                hint=bool(raw.get("hint", False)),
-                all_matches=bool(raw.get("all", False)),
-                examples=_examples(src, rid, raw.get("example")),
-                groups=groups,
-                tier=tier,
-                lines=nlines,
-                alone=bool(raw.get("alone", False)),
-                progress=progress,
-                facts=dict(facts),
-                max_chars=max_chars,
-                entry=bool(raw.get("entry", False)),
-                opens=opens,
-                within=within,
-                rising=rising,
-                columns=columns,
+                examples=_make_examples(examples),
+                **kept,
             )
         )
-    return groups_of
+    return {"pack": dict(pack), "prefixes": kept_prefixes, "rules": kept_rules}
+
+
+def _restore_pack(src: Path, kept: Mapping[str, Any], seen: dict[str, Path], rs: RuleSet) -> None:
+    """Add a pack checked before (what ``_load_pack`` returned, from the load cache) to ``rs``
+    without checking it again: its patterns compile on first use. Ids are still claimed here:
+    another pack may have taken one since."""
+    pack = kept["pack"]
+    prefixes = [
+        Prefix(rid, pack["id"], src, pat, _lazy_line(pat), _make_examples(examples))
+        for rid, pat, examples in kept["prefixes"]
+    ]
+    rules = [
+        Rule(
+            source=src,
+            cre=_lazy_line(fields["pattern"]),
+            chunk_cre=_lazy_chunk(src, fields["id"], fields["pattern"]) if chunk else None,
+            examples=_make_examples(examples),
+            **fields,
+        )
+        for fields, chunk, examples in kept["rules"]
+    ]
+    for rid in [p.id for p in prefixes] + [r.id for r in rules]:
+        _claim(src, rid, seen)
+    rs.packs.append({**pack, "source": str(src)})
+    rs.prefixes.extend(prefixes)
+    rs.rules.extend(rules)
 
 
 def _lazy_line(pattern: str) -> _Lazy:
@@ -735,19 +774,34 @@ def load_rules(
     dirs = [*site]
     if builtin:
         dirs.append(shipped)
-    rs = RuleSet()
-    seen: dict[str, Path] = {}
-    cache = _LoadCache()
+    packs: list[tuple[Path, bytes, str]] = []
     for f in pack_files(dirs):
         try:
             raw = f.read_bytes()
         except OSError as e:
             raise RuleError(f"{f}: cannot read the rule pack: {e}") from None
-        key = hashlib.sha256(raw).hexdigest()
-        hit = cache.get(key)
-        if hit is not None:
-            data, known = hit
-            _load_pack(f, data, seen, rs, known)
+        packs.append((f, raw, hashlib.sha256(raw).hexdigest()))
+    cache = _LoadCache()
+    together = hashlib.sha256(" ".join(key for _, _, key in packs).encode()).hexdigest()
+    if together in cache.loads and not (check and site):
+        # these very packs, together, were checked before: the rules are built from the cache
+        # when first looked at (a start that reads no text builds none)
+        return _Deferred(lambda: _build(packs, cache, together))
+    rs = _build(packs, cache, together)
+    if check and site:
+        _check_site(rs, set(pack_files(site)))
+    return rs
+
+
+def _build(packs: Sequence[tuple[Path, bytes, str]], cache: _LoadCache, together: str) -> RuleSet:
+    """The rule set of ``packs`` (path, text, hash of the text): the packs the cache knows are
+    built from it, the others parsed and checked (then kept in the cache)."""
+    rs = RuleSet()
+    seen: dict[str, Path] = {}
+    for f, raw, key in packs:
+        kept = cache.get(key)
+        if kept is not None:
+            _restore_pack(f, kept, seen, rs)
             continue
         # parsed only when the load cache does not know the pack
         if sys.version_info >= (3, 11):
@@ -758,18 +812,43 @@ def load_rules(
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise RuleError(f"{f}: not a valid TOML rule pack: {e}") from None
-        cache.put(key, data, _load_pack(f, data, seen, rs))
+        cache.put(key, _load_pack(f, data, seen, rs))
+    cache.checked_together(together)
     cache.save()
-    if check and site:
-        _check_site(rs, set(pack_files(site)))
     return rs
 
 
+class _Deferred(RuleSet):
+    """A rule set whose packs were all checked before, together: its packs, prefixes and rules
+    are built (``build``) when first looked at."""
+
+    def __init__(self, build: Callable[[], RuleSet]) -> None:
+        # no RuleSet.__init__: the fields are what ``build`` gives, on first use
+        self.__dict__["_build"] = build
+
+    def __getattr__(self, name: str) -> Any:
+        build = self.__dict__.get("_build") if name in _RULESET_FIELDS else None
+        if build is None:
+            raise AttributeError(name)
+        rs = build()
+        self.packs, self.prefixes, self.rules = rs.packs, rs.prefixes, rs.rules
+        del self.__dict__["_build"]
+        return getattr(self, name)
+
+
+_RULESET_FIELDS = ("packs", "prefixes", "rules")
+
+
 class _LoadCache:
-    """Packs read and checked before, by the hash of their text: the parsed TOML and each
-    rule's group names, so that a start neither parses nor compiles them again (patterns then
-    compile on first use). One file in the cache directory, keyed by the code that checks them;
-    marshal, not pickle: plain data only, nothing in it runs."""
+    """Packs read and checked before, by the hash of their text: what the check made of each
+    (``_load_pack``: every rule's fields, its examples, its pattern's group names), so that a
+    start neither parses, checks nor compiles them again (patterns then compile on first use);
+    and which sets of packs were loaded together (their ids did not clash), so that a start
+    loading the same set builds nothing until a rule is looked at.
+
+    One file in the cache directory, keyed by the code that checks them: two marshal values,
+    the sets first (small: a start reads only them), then the packs; marshal, not pickle: plain
+    data only, nothing in it runs."""
 
     def __init__(self) -> None:
         from .prefilter import cache_dir
@@ -785,38 +864,63 @@ class _LoadCache:
                 h.update(Path(mod).read_bytes())
             except OSError:
                 h.update(mod.encode())
-        self.path = cache_dir() / f"rules-{h.hexdigest()[:24]}.marshal"
-        self.entries: dict[str, Any] = {}
+        self.path: Path | None = cache_dir() / f"rules-{h.hexdigest()[:24]}.marshal"
+        self.loads: set[str] = set()
+        self._entries: dict[str, Any] | None = None
+        self._rest = b""  # the packs, unmarshalled when one is first asked for
         self.used: set[str] = set()
         self.dirty = False
         if os.environ.get("NANWATCH_NO_RULE_CACHE"):
-            self.path = None  # type: ignore[assignment]
+            self.path = None
             return
         try:
-            loaded = marshal.loads(self.path.read_bytes())
-            if isinstance(loaded, dict):
-                self.entries = loaded
+            blob = self.path.read_bytes()
+            f = io.BytesIO(blob)
+            loads = marshal.load(f)
+            if isinstance(loads, list) and all(isinstance(x, str) for x in loads):
+                self.loads = set(loads)
+                self._rest = blob[f.tell() :]
         except (OSError, EOFError, ValueError, TypeError):
             pass
 
-    def get(self, key: str) -> tuple[Mapping[str, Any], Mapping[str, Sequence[str]]] | None:
+    @property
+    def entries(self) -> dict[str, Any]:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                loaded = marshal.loads(self._rest) if self._rest else None
+                if isinstance(loaded, dict):
+                    self._entries = loaded
+            except (EOFError, ValueError, TypeError):
+                pass
+            self._rest = b""
+        return self._entries
+
+    def get(self, key: str) -> Mapping[str, Any] | None:
         got = self.entries.get(key)
-        if not (isinstance(got, tuple) and len(got) == 2):
+        if not (isinstance(got, dict) and {"pack", "prefixes", "rules"} <= got.keys()):
             return None
         self.used.add(key)
-        return got[0], got[1]
+        return got
 
-    def put(self, key: str, data: Mapping[str, Any], groups: Mapping[str, list[str]]) -> None:
-        self.entries[key] = (data, dict(groups))
+    def put(self, key: str, kept: Mapping[str, Any]) -> None:
+        self.entries[key] = kept
         self.used.add(key)
         self.dirty = True
+
+    def checked_together(self, together: str) -> None:
+        """The packs of this load were checked together (see ``load_rules``)."""
+        if together not in self.loads:
+            self.dirty = True
+        self.loads = {together}  # the file keeps this load's packs only
 
     def save(self) -> None:
         if not self.dirty or self.path is None:
             return
         try:
             # the packs of this load only: edited packs do not pile up
-            blob = marshal.dumps({k: v for k, v in self.entries.items() if k in self.used})
+            packs = {k: v for k, v in self.entries.items() if k in self.used}
+            blob = marshal.dumps(sorted(self.loads)) + marshal.dumps(packs)
         except ValueError:
             return  # a TOML value marshal cannot hold (a date): checked again at each start
         try:

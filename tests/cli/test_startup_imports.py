@@ -1,7 +1,9 @@
 """What a command loads: the lazy boundaries that keep the CLI's start fast.
 
-Each command runs as a process of its own under ``python -X importtime``, which names every
-module the process imported; the tests assert modules, not times.
+Each command runs as a process of its own, which writes the names of every module it holds
+(``sys.modules``) as it exits: modules loaded through ``importlib.import_module`` (the CLI's
+subcommands, ``nanwatch.detect``'s names) included, which ``-X importtime`` does not list. The
+tests assert modules, not times.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ OPTIONAL_PACKAGES = (
 )
 # the msprobe row and dump readers (a monitor CSV or dump), checkpoint shapes, the knowledge
 # base (a first incident), the worker pool (a big scan), the watcher (`watch`), the senders
-# (a configured sink), the fleet store
+# (a configured sink), the fleet store, the detection engine and its line readers (a first
+# text file)
 LAZY_FOR_SCAN = (
+    "nanwatch.detect.engine",
+    "nanwatch.detect.compiled",
+    "nanwatch.detect.columns",
+    "nanwatch.detect.progress",
+    "nanwatch.detect.reports",
+    "nanwatch.detect.timestamps",
     "nanwatch.detect.msprobe.csvrows",
     "nanwatch.detect.msprobe.rows",
     "nanwatch.detect.msprobe.dump",
@@ -49,14 +58,25 @@ LAZY_FOR_SCAN = (
 )
 
 
+# the child: run ``nanwatch ARGS`` and, whatever its exit, write the modules it loaded
+_CHILD = """
+import atexit, runpy, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write("\\n".join(sorted(sys.modules))))
+sys.argv[0] = "nanwatch"
+runpy.run_module("nanwatch", run_name="__main__", alter_sys=True)
+"""
+
+
 def imported(*args: str, cwd: Path) -> set[str]:
     """The modules ``nanwatch ARGS`` imports (it must succeed), with a rule cache of its own
     in ``cwd`` (a first start parses and compiles the packs; every later one reads the cache)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANWATCH_")}
     env["PYTHONPATH"] = str(ROOT)
     env["NANWATCH_CACHE"] = str(cwd / "cache")
+    out = cwd / "modules.txt"
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "nanwatch", *args],
+        [sys.executable, "-c", _CHILD, str(out), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -64,10 +84,8 @@ def imported(*args: str, cwd: Path) -> set[str]:
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = set()
-    for line in proc.stderr.splitlines():
-        if line.startswith("import time:") and line.count("|") == 2:
-            names.add(line.rsplit("|", 1)[1].strip())
+    names = set(out.read_text().split())
+    out.unlink()
     assert "nanwatch.cli" in names  # the output was read right
     return names
 
@@ -100,3 +118,30 @@ def test_help_and_read_commands_load_no_detection(tmp_path: Path) -> None:
         assert loaded(names, heavy) == [], args
         assert loaded(names, OPTIONAL_PACKAGES) == [], args
         assert loaded(names, ("nanwatch.notify", "nanwatch.store.fleet", "tomllib")) == [], args
+
+
+def test_scan_and_watch_help_load_neither_config_nor_store(tmp_path: Path) -> None:
+    for args in (("scan", "--help"), ("watch", "--help")):
+        names = imported(*args, cwd=tmp_path)
+        assert "nanwatch.cli.ingest" in names, args
+        assert loaded(names, ("nanwatch.config", "nanwatch.store", "sqlite3")) == [], args
+        assert loaded(names, ("nanwatch.detect", "nanwatch.daemon", "nanwatch.sources")) == [], args
+
+
+def test_the_records_every_start_builds_carry_a_docstring() -> None:
+    """A dataclass without one gets a docstring made from ``inspect.signature`` as its module
+    loads: the config's sections and the rule packs' records are built by every start."""
+    import dataclasses
+
+    from nanwatch import config
+    from nanwatch.detect import rules
+
+    classes = [
+        v
+        for mod in (config, rules)
+        for v in vars(mod).values()
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == mod.__name__
+    ]
+    assert len(classes) >= 15
+    generated = [c.__name__ for c in classes if (c.__doc__ or "").startswith(c.__name__ + "(")]
+    assert generated == []
