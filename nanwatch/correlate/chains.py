@@ -96,8 +96,12 @@ def _aborted(f: Mapping[str, JSON]) -> bool:
     return (
         f.get("signal") == "SIGABRT"
         or (isinstance(code, int) and code in _ABORT_CODES)
-        or str(f.get("reason") or "").lower() == "aborted"
+        or str(f.get("reason") or "").lower() in _ABORT_REASONS
     )
+
+
+# how the shell and the C runtime say a process aborted (bash's zh_CN catalogue: 已放弃)
+_ABORT_REASONS = frozenset(("aborted", "abort", "已放弃"))
 
 
 def may_be_torn_down(ev: StoredEvent) -> bool:

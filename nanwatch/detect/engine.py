@@ -41,7 +41,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _NEW_RECORD = re.compile(
     r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
     r"During handling|The above exception|Exception raised from|"
-    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: "  # a CANN error code heads a record of its own
+    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: |"  # a CANN error code heads a record of its own
+    # the shell's report that the process ended, in English and in a Chinese locale
+    r"(?:Aborted|Segmentation fault|Killed|Bus error|已放弃|段错误|已杀死)(?![\w])"
 )
 HEAD_SAME = 12  # a line that begins as the line before it did (a logger's or worker's prefix)
 

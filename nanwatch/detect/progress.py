@@ -38,7 +38,9 @@ _LOSS = re.compile(
 _COUNTER = re.compile(
     r"(?i)(?<![\w\-])(?P<key>epoch|ep|iteration|iter|step|global[ _]step|batch)s?"
     r"(?:/(?:max|total|num)_?\w{0,12})?\b['\"]?\]?"  # a position's key: "global_step/max_steps"
-    r"[ \t]{0,3}[:=#]?[ \t]{0,3}['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})"
+    # a separator after the padding of an aligned table ("epoch    =    5.0") or a tight one
+    r"(?:[ \t]{0,40}[:=][ \t]{0,12}|[ \t]{0,3}#?[ \t]{0,3})"
+    r"['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})(?:\.0{1,6}(?![\d.]))?"
     r"(?:[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12}))?(?![\d.])"
 )
 # a progress bar's position: tqdm's "431/788222 [29:28<...", Keras' "365/5427 [=>..." and a

@@ -374,3 +374,20 @@ def test_ranks_that_failed_in_a_collective_are_not_said_to_have_timed_out(
     assert inc["kind"] == "oom" and inc["origin"]["rank"] == 3
     assert "1 other rank then failed in HCCL" in inc["title"]
     assert "timed out" not in inc["title"]
+
+
+@pytest.mark.parametrize("abort", ["Aborted (core dumped)", "已放弃 (核心已转储)"])
+def test_the_abort_after_a_rank_s_own_nccl_error_is_its_effect(
+    tmp_path: Path, db: Path, abort: str
+) -> None:
+    """C++'s terminate after an uncaught NCCL error aborts the process; the shell reports the
+    abort in its locale's words. The communication error roots the incident."""
+    lines = [
+        "terminate called after throwing an instance of 'std::runtime_error'",
+        "  what():  NCCL Error 3: internal error - please report this issue to the NCCL developers",
+        abort,
+    ]
+    write_lines(tmp_path / "job" / "train.log", lines)
+    (inc,) = scan(db, tmp_path / "job")
+    assert inc["kind"] == "comm_error"
+    assert inc["event_count"] == 2

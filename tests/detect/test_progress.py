@@ -29,6 +29,8 @@ from nanwatch.stream import StreamState
             1310,
         ),
         ('{"eval_loss": 0.6, "step": "25"}', "val", None, None, 25),
+        # an aligned key/value table (HF Trainer's metrics) with a whole epoch printed as float
+        ("  epoch                   =        3.0", None, 3, None, None),
         # no loss and no counter: not a metric line
         ("loading shards 3/8 [=====>  ]", None, None, None, None),
     ],
