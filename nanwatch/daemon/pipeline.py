@@ -271,10 +271,11 @@ class Pipeline:
         try:
             self._safe_step()
             if mode == "inotify":
-                watcher.follow(self.tracker.link_dirs())
+                watcher.follow(self.tracker.link_dirs(), files=self._followed())
             if on_ready is not None:
                 on_ready()
             last_full = last_pass = time.monotonic()
+            followed = len(self.tracker.records)
             while not stop.is_set():
                 poll = self.config.sources.poll_interval
                 timeout = poll if mode == "poll" else SAFETY_POLL
@@ -315,7 +316,12 @@ class Pipeline:
                 else:
                     changes = self._safe_step(discover=full, only=None if full else dirty)
                 if mode == "inotify":
-                    watcher.follow(self.tracker.link_dirs())
+                    # the followed files change with a full pass (or one that found renames)
+                    moved = full or len(self.tracker.records) != followed
+                    watcher.follow(
+                        self.tracker.link_dirs(), files=self._followed() if moved else None
+                    )
+                followed = len(self.tracker.records)
                 if changes is not None:
                     if full:
                         last_full = now
@@ -351,6 +357,9 @@ class Pipeline:
                 sender.stop(timeout=15.0)
                 self._record(sender.drain_results())
             self.tracker.close()
+
+    def _followed(self) -> list[str]:
+        return [rec.path for rec in self.tracker.records.values()]
 
     def _forward(self, *, committed: bool) -> None:
         """Fleet mode: forward after a pass that committed (at most once a second), and at
