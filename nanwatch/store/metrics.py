@@ -213,8 +213,8 @@ def encode(cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
     return _pack(len(cols), sections, compress)
 
 
-def _pack(n: int, sections: Iterable[bytes], compress: bool) -> bytes:
-    parts = [_MAGIC_Z if compress else _MAGIC, _U32.pack(n)]
+def _pack(n: int, sections: Iterable[bytes | bytearray], compress: bool) -> bytes:
+    parts: list[bytes | bytearray] = [_MAGIC_Z if compress else _MAGIC, _U32.pack(n)]
     for raw in sections:
         if compress and raw:
             # a few rows (a live pass) compress to more than they are: kept raw then
@@ -239,32 +239,38 @@ def grow(blob: bytes, cols: MetricColumns, *, compress: bool = COMPRESS) -> byte
 
 
 # A block's sections as a growing block keeps them: number columns packed, text columns as
-# their values (a text section is re-joined whole when rows are added).
-_Parts = list[bytes | list[str | None]]
+# their values (a text section is re-joined whole when rows are added). ``_grown`` appends to
+# them in place: a live pass adds a few rows to a block of up to SMALL_BLOCK.
+_Parts = list[bytearray | list[str | None]]
 
 
 def _parts(sec: _Sections, n: int) -> _Parts:
     return [
-        _untexts(sec[i], n) if name in _TEXTS else sec[i] for i, name in enumerate(Metric._fields)
+        _untexts(sec[i], n) if name in _TEXTS else bytearray(sec[i])
+        for i, name in enumerate(Metric._fields)
     ]
 
 
-def _grown(old: _Parts, n: int, cols: MetricColumns) -> _Parts:
-    """``old`` (the parts of ``n`` rows) with ``cols`` appended."""
+def _grown(parts: _Parts, n: int, cols: MetricColumns) -> _Parts:
+    """``parts`` (of ``n`` rows) with ``cols`` appended, in place; returns ``parts``."""
     k = len(cols)
-    out: _Parts = []
-    for before, name in zip(old, Metric._fields):
+    for i, name in enumerate(Metric._fields):
         col = getattr(cols, name)
+        before = parts[i]
         if isinstance(before, list):
-            out.append([*before, *col])
+            before.extend(col)
             continue
         new, fill = (_ints(col), _FILL_Q) if name in _INTS else (_floats(col), _FILL_D)
         # an empty section is "missing on every row": spelt out when the other part has values
-        out.append((before or fill * n) + (new or fill * k) if before or new else b"")
-    return out
+        if not before and not new:
+            continue
+        if not before:
+            before += fill * n
+        before += new or fill * k
+    return parts
 
 
-def _encoded(parts: _Parts) -> list[bytes]:
+def _encoded(parts: _Parts) -> list[bytes | bytearray]:
     return [_texts(p) if isinstance(p, list) else p for p in parts]
 
 
@@ -618,6 +624,8 @@ class Metrics:
         if last.row[4] >= min(cols.offset):
             return None  # not after it (a source read again from an earlier offset)
         self.store.execute("DELETE FROM metric_blocks WHERE id = ?", (last.row[0],))
+        # its parts grow in place: it is no longer the block stored until the insert is done
+        _OPEN[self.store].pop(last.row[2], None)
         # kept raw while it may grow again (each growth would inflate and deflate it whole),
         # compressed once it is full or the next block starts (``_close``)
         parts = _grown(last.parts, last.n, cols)
