@@ -218,6 +218,20 @@ class _Writes:
                 # (the kernel queues them meanwhile; past its limit it says so: overflowed)
                 self.taken.wait()
 
+    def drain(self) -> tuple[set[str], bool]:
+        """What is queued now, read on the caller's thread: a pass that begins takes the
+        writes made up to its start, not only those the reader thread had read."""
+        paths: set[str] = set()
+        overflowed = False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError:  # nothing queued (EAGAIN), or the instance is closing
+                return paths, overflowed
+            got, lost = self._parse(data)
+            paths |= got
+            overflowed = overflowed or lost
+
     def _parse(self, data: bytes) -> tuple[set[str], bool]:
         paths: set[str] = set()
         overflowed = False
@@ -448,11 +462,16 @@ class Watcher:
         self.wake.set()
 
     def take(self) -> tuple[set[str], bool]:
+        writes = self._writes
+        if writes is not None:
+            queued, lost = writes.drain()
+            if queued or lost:
+                self._written(queued, lost)
         with self._lock:
             dirty, structural = self._dirty, self._structural
             self._dirty, self._structural = set(), False
-        if self._writes is not None:
-            self._writes.taken.set()  # the pass begins: writes from now on are read again
+        if writes is not None:
+            writes.taken.set()  # the pass begins: writes from now on are read again
         return dirty, structural
 
     def stop(self) -> None:
