@@ -197,9 +197,13 @@ class _Writes:
         return added
 
     def _run(self) -> None:
+        # poll, not select: a busy process may hold descriptors past select's 1024
+        waiter = select.poll()
+        waiter.register(self.fd, select.POLLIN)
+        waiter.register(self._stop_r, select.POLLIN)
         while True:
             try:
-                ready, _, _ = select.select([self.fd, self._stop_r], [], [])
+                ready = {fd for fd, _ in waiter.poll()}
             except OSError:
                 return
             if self._stop_r in ready:

@@ -99,6 +99,30 @@ def test_a_file_created_is_a_structural_change(
     _until(lambda: watcher.take()[1], "the creation")
 
 
+def test_writes_wake_a_process_that_holds_more_than_1024_descriptors(tmp_path: Path) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip("needs a descriptor limit above 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    null = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(null) for _ in range(1100)]  # the reader's own descriptors come above them
+    got: list[set[str]] = []
+    try:
+        w = _Writes(lambda paths, overflowed: got.append(paths))
+        assert w.fd > 1024
+        w.watch({str(tmp_path)})
+        (tmp_path / "rank0.log").write_text("hello\n")
+        _until(lambda: bool(got), "the write")
+        assert got[0] == {str(tmp_path / "rank0.log")}
+        w.stop()
+    finally:
+        for fd in [*held, null]:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_the_reader_maps_names_to_paths_and_notes_lost_events(tmp_path: Path) -> None:
     got: list[tuple[set[str], bool]] = []
     w = _Writes(lambda paths, overflowed: got.append((paths, overflowed)))
