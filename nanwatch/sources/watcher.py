@@ -141,7 +141,7 @@ def inotify_capacity(bases: Iterable[str]) -> str | None:
 
 
 _IN_MODIFY, _IN_ATTRIB, _IN_Q_OVERFLOW, _IN_IGNORED = 0x2, 0x4, 0x4000, 0x8000
-_IN_ONLYDIR = 0x01000000
+_IN_ONLYDIR, _IN_ISDIR = 0x01000000, 0x40000000
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
 
 
@@ -244,8 +244,10 @@ class _Writes:
             wd, mask, _cookie, size = _EVENT.unpack_from(data, pos)
             name = data[pos + _EVENT.size : pos + _EVENT.size + size].rstrip(b"\0")
             pos += _EVENT.size + size
-            if mask & _IN_Q_OVERFLOW:
-                overflowed = True  # writes were lost: every file is looked at
+            if mask & (_IN_Q_OVERFLOW | _IN_ISDIR):
+                # writes were lost, or a folder's mode changed (it may have become readable):
+                # every file is looked at, as after any structural change
+                overflowed = True
             elif mask & _IN_IGNORED:
                 d = self._wds.pop(wd, None)  # the folder went (watchdog tells the pipeline)
                 if d is not None and self._dirs.get(d) == wd:

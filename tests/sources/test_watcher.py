@@ -138,6 +138,7 @@ def test_the_reader_maps_names_to_paths_and_notes_lost_events(tmp_path: Path) ->
         assert paths == {str(tmp_path / "rank0.log"), str(tmp_path / "a.log")}
         assert not overflowed
         assert w._parse(event(-1, 0x4000)) == (set(), True)  # the queue overflowed
+        assert w._parse(event(wd, 0x4 | 0x40000000, b"sub")) == (set(), True)  # a folder's mode
         assert w._parse(event(wd, 0x8000)) == (set(), False)  # the folder's watch went
         assert w._wds == {} and w._dirs == {}
         assert w._parse(event(wd, 0x2, b"late.log")) == (set(), False)
