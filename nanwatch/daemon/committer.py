@@ -21,7 +21,7 @@ from ..events import Event, Metric, now_utc
 from ..sources import Chunk, Root, SourceRecord, Tracker
 from ..sources.discover import rank_from_path
 from ..store import Store
-from ..store.metrics import Packed
+from ..store.metrics import MetricColumns, Packed
 from ..store.records import JSON, Source
 from ..store.sources import Sources
 from ..stream import StreamState
@@ -41,8 +41,9 @@ class Stats:
     runs: set[int] = field(default_factory=set)
 
 
-# rows from a detection worker are plain tuples in Metric's field order, or a packed block
-MetricRows = list[Metric] | list[tuple[Any, ...]] | Packed
+# rows from a detection worker are plain tuples in Metric's field order, or a packed block;
+# a live pass's are the columns the detector read
+MetricRows = list[Metric] | list[tuple[Any, ...]] | Packed | MetricColumns
 
 
 @dataclass
@@ -78,6 +79,8 @@ def _widen(
     known = [t for t in times if t]
     if isinstance(metrics, Packed):
         known.extend(t for t in metrics.times if t)
+    elif isinstance(metrics, MetricColumns):
+        known.extend(t for t in metrics.time if t)
     else:
         known.extend(m[6] for m in metrics if m[6])
     if not known:
@@ -244,6 +247,8 @@ class Committer:
 
     def _write_metrics(self, rec: SourceRecord, rows: MetricRows) -> int:
         """The one place metrics are written (in the batch's transaction)."""
+        if isinstance(rows, MetricColumns):
+            return self.store.insert_metric_columns(rec.run_id, rec.id, rows)
         return self.store.insert_metrics(rec.run_id, rec.id, rows)
 
     # -- decisions about files -------------------------------------------------------------------

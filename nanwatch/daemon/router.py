@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from ..detect.msprobe import MonitorReader
 from ..events import Event, Metric
 from ..sources import Chunk, SourceRecord
+from ..store.metrics import MetricColumns
 from ..store.records import JSON
 from ..stream import StreamState
 
@@ -63,15 +64,16 @@ class Router:
 
     def feed(
         self, route: Route, chunk: Chunk, state: StreamState
-    ) -> tuple[list[Event], list[Metric], list[dict[str, JSON]]]:
+    ) -> tuple[list[Event], list[Metric] | MetricColumns, list[dict[str, JSON]]]:
         """Events, metrics and run facts of one chunk of complete lines; updates ``state``."""
         rec = chunk.record
         facts: list[dict[str, JSON]] = []
         if route == "rules":
-            events, metrics = self.detector.feed(
+            # iteration lines read as columns stay columns down to the block they are stored in
+            events, cols = self.detector.feed_columns(
                 chunk.data, chunk.start, state, rec.path, facts=facts
             )
-            return self.bound(events, state, rec.path), metrics, facts
+            return self.bound(events, state, rec.path), MetricColumns(*cols), facts
         events, metrics = self.monitor.feed(chunk.data, chunk.start, state, rec.path, rec.root.base)
         return events, metrics, facts
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import struct
 import threading
 import warnings
 from collections.abc import Iterable
@@ -138,6 +140,146 @@ def inotify_capacity(bases: Iterable[str]) -> str | None:
         os.close(fd)
 
 
+_IN_MODIFY, _IN_ATTRIB, _IN_Q_OVERFLOW, _IN_IGNORED = 0x2, 0x4, 0x4000, 0x8000
+_IN_ONLYDIR, _IN_ISDIR = 0x01000000, 0x40000000
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+
+
+class _Writes:
+    """Writes (and chmods) in the folders holding followed files, read from an inotify
+    instance of its own by one thread.
+
+    A busy node writes every rank log hundreds of times a second; through watchdog each write
+    is three thread hand-offs and several objects (a quarter of the daemon's CPU under load),
+    so watchdog only hears of comings and goings. This thread reads every write queued since
+    its last read at once, then waits for the pass that will look at them to begin
+    (``taken``) before it reads again: it wakes about once per pass, whatever the write rate.
+    """
+
+    def __init__(self, touch: Any) -> None:
+        import ctypes
+        import ctypes.util
+
+        self._touch = touch  # (paths, overflowed) -> None
+        self._ctypes = ctypes
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fd = self._libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.fd = fd
+        self._stop_r, self._stop_w = os.pipe()
+        self._dirs: dict[str, int] = {}  # folder -> watch descriptor
+        self._wds: dict[int, str] = {}
+        self.taken = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nanwatch-writes", daemon=True)
+        self._thread.start()
+
+    def watch(self, dirs: set[str]) -> bool:
+        """Watch exactly these folders; True when one was added (writes made before its watch
+        was in place came with no event: the caller reads them once more)."""
+        added = False
+        for d in [d for d in self._dirs if d not in dirs]:
+            self._libc.inotify_rm_watch(self.fd, self._dirs.pop(d))
+        for d in dirs:
+            if d in self._dirs:
+                continue
+            wd = self._libc.inotify_add_watch(
+                self.fd, os.fsencode(d), _IN_MODIFY | _IN_ATTRIB | _IN_ONLYDIR
+            )
+            if wd < 0:
+                err = os.strerror(self._ctypes.get_errno())
+                log.debug("%s: cannot watch writes (%s)", d, err)
+                continue
+            self._dirs[d] = wd
+            self._wds[wd] = d
+            added = True
+        return added
+
+    def _run(self) -> None:
+        # poll, not select: a busy process may hold descriptors past select's 1024
+        waiter = select.poll()
+        waiter.register(self.fd, select.POLLIN)
+        waiter.register(self._stop_r, select.POLLIN)
+        while True:
+            try:
+                ready = {fd for fd, _ in waiter.poll()}
+            except OSError:
+                return
+            if self._stop_r in ready:
+                return
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            paths, overflowed = self._parse(data)
+            if paths or overflowed:
+                self.taken.clear()
+                self._touch(paths, overflowed)
+                # what comes before the next pass begins is read with one read, not one each
+                # (the kernel queues them meanwhile; past its limit it says so: overflowed)
+                self.taken.wait()
+
+    def drain(self) -> tuple[set[str], bool]:
+        """What is queued now, read on the caller's thread: a pass that begins takes the
+        writes made up to its start, not only those the reader thread had read."""
+        paths: set[str] = set()
+        overflowed = False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except OSError:  # nothing queued (EAGAIN), or the instance is closing
+                return paths, overflowed
+            got, lost = self._parse(data)
+            paths |= got
+            overflowed = overflowed or lost
+
+    def _parse(self, data: bytes) -> tuple[set[str], bool]:
+        paths: set[str] = set()
+        overflowed = False
+        pos = 0
+        while pos + _EVENT.size <= len(data):
+            wd, mask, _cookie, size = _EVENT.unpack_from(data, pos)
+            name = data[pos + _EVENT.size : pos + _EVENT.size + size].rstrip(b"\0")
+            pos += _EVENT.size + size
+            if mask & (_IN_Q_OVERFLOW | _IN_ISDIR):
+                # writes were lost, or a folder's mode changed (it may have become readable):
+                # every file is looked at, as after any structural change
+                overflowed = True
+            elif mask & _IN_IGNORED:
+                d = self._wds.pop(wd, None)  # the folder went (watchdog tells the pipeline)
+                if d is not None and self._dirs.get(d) == wd:
+                    del self._dirs[d]
+            elif name and (d := self._wds.get(wd)) is not None:
+                paths.add(os.path.join(d, os.fsdecode(name)))
+        return paths, overflowed
+
+    def stop(self) -> None:
+        os.write(self._stop_w, b"x")
+        self.taken.set()
+        self._thread.join(5)
+        for fd in (self.fd, self._stop_r, self._stop_w):
+            os.close(fd)
+
+
+def _structure_events() -> list[Any]:
+    """What watchdog is asked to report: comings and goings, and closes after writing
+    (writes and chmods come through ``_Writes``)."""
+    from watchdog import events as e
+
+    return [
+        e.FileCreatedEvent,
+        e.DirCreatedEvent,
+        e.FileMovedEvent,
+        e.DirMovedEvent,
+        e.FileDeletedEvent,
+        e.DirDeletedEvent,
+        e.FileClosedEvent,
+    ]
+
+
 class Watcher:
     """Wakes ``wake`` on filesystem activity below the roots; collects the touched paths."""
 
@@ -152,6 +294,8 @@ class Watcher:
         # folders of symlinks' targets outside the roots (one inotify instance each)
         self._extra: dict[str, Any] = {}
         self._extra_dirs: frozenset[str] = frozenset()
+        self._writes: _Writes | None = None
+        self._write_dirs: set[str] = set()
 
     def start(self) -> bool:
         """Start inotify watches; False when the system refuses (limits): the caller polls."""
@@ -172,11 +316,13 @@ class Watcher:
                 outer._touch(event)
 
         self._handler = _Handler()
+        self._filter = _structure_events()
         self._observer = Observer()
         self._observer.daemon = True
         ok = self._schedule_all()
         try:
             self._observer.start()
+            self._writes = _Writes(self._written)
         except OSError as e:
             log.warning("inotify unavailable (%s); polling instead", e)
             return False
@@ -202,7 +348,9 @@ class Watcher:
                     except (KeyError, OSError, ValueError):
                         pass
                 try:
-                    watch = self._observer.schedule(self._handler, target, recursive=recursive)
+                    watch = self._observer.schedule(
+                        self._handler, target, recursive=recursive, event_filter=self._filter
+                    )
                 except OSError as e:
                     log.warning("%s: cannot watch with inotify (%s); polling it", target, e)
                     ok = False
@@ -242,11 +390,19 @@ class Watcher:
             return self.start()
         return self._schedule_all()
 
-    def follow(self, dirs: set[str]) -> None:
+    def follow(self, dirs: set[str], files: Iterable[str] | None = None) -> None:
         """Also watch these folders (non-recursively): a symlink's target is written where
-        it lives, and no event for it comes from the folder holding the link."""
+        it lives, and no event for it comes from the folder holding the link. ``files``: the
+        followed files, when they may have changed (their folders' writes are watched; when
+        a folder is added, the next pass comes at once, for what was written before)."""
         if self._observer is None:
             return
+        if files is not None:
+            self._write_dirs = {os.path.dirname(f) for f in files}
+        if self._writes is not None:
+            roots = {self._target(r)[0] for r in self.roots}
+            if self._writes.watch(self._write_dirs | set(dirs) | roots):
+                self.wake.set()
         wanted = sorted(d for d in dirs if not self._covered(d))
         if len(wanted) > MAX_LINK_DIRS:
             if len(self._extra) < MAX_LINK_DIRS:
@@ -266,7 +422,9 @@ class Watcher:
             if d in self._extra:
                 continue
             try:
-                self._extra[d] = self._observer.schedule(self._handler, d, recursive=False)
+                self._extra[d] = self._observer.schedule(
+                    self._handler, d, recursive=False, event_filter=self._filter
+                )
             except OSError as e:
                 log.debug("%s: cannot watch a link target's folder (%s)", d, e)
         self._extra_dirs = frozenset(self._extra)
@@ -303,13 +461,29 @@ class Watcher:
                 self._structural = True
         self.wake.set()
 
+    def _written(self, paths: set[str], overflowed: bool) -> None:
+        with self._lock:
+            self._dirty.update(paths)
+            self._structural = self._structural or overflowed
+        self.wake.set()
+
     def take(self) -> tuple[set[str], bool]:
+        writes = self._writes
+        if writes is not None:
+            queued, lost = writes.drain()
+            if queued or lost:
+                self._written(queued, lost)
         with self._lock:
             dirty, structural = self._dirty, self._structural
             self._dirty, self._structural = set(), False
+        if writes is not None:
+            writes.taken.set()  # the pass begins: writes from now on are read again
         return dirty, structural
 
     def stop(self) -> None:
+        if self._writes is not None:
+            self._writes.stop()
+            self._writes = None
         if self._observer is not None:
             try:
                 self._observer.stop()

@@ -33,6 +33,7 @@ import math
 import sqlite3
 import struct
 import sys
+import weakref
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -59,10 +60,11 @@ _FLOATS = ("loss", "grad_norm", "step_time", "data_time", "lr", "memory")
 BLOCK_ROWS = 4096  # rows per block when rows are converted (migration 5)
 SMALL_BLOCK = 256  # a source's last block grows by appending while it holds fewer rows
 
-_BLOCK_COLS = (
+_ROW_COLS = (
     "run_id, source_id, first_offset, last_offset, n, rank_min, rank_max, step_min, step_max, "
-    "time_min, time_max, trained_step_max, trained_epoch_max, data"
+    "time_min, time_max, trained_step_max, trained_epoch_max"
 )
+_BLOCK_COLS = _ROW_COLS + ", data"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +213,8 @@ def encode(cols: MetricColumns, *, compress: bool = COMPRESS) -> bytes:
     return _pack(len(cols), sections, compress)
 
 
-def _pack(n: int, sections: Iterable[bytes], compress: bool) -> bytes:
-    parts = [_MAGIC_Z if compress else _MAGIC, _U32.pack(n)]
+def _pack(n: int, sections: Iterable[bytes | bytearray], compress: bool) -> bytes:
+    parts: list[bytes | bytearray] = [_MAGIC_Z if compress else _MAGIC, _U32.pack(n)]
     for raw in sections:
         if compress and raw:
             # a few rows (a live pass) compress to more than they are: kept raw then
@@ -233,18 +235,43 @@ def grow(blob: bytes, cols: MetricColumns, *, compress: bool = COMPRESS) -> byte
     rows to a block of up to ``SMALL_BLOCK``: decoding and packing it whole each time cost
     more than everything else the pass wrote."""
     n, old = _sections(blob)
+    return _pack(n + len(cols), _encoded(_grown(_parts(old, n), n, cols)), compress)
+
+
+# A block's sections as a growing block keeps them: number columns packed, text columns as
+# their values (a text section is re-joined whole when rows are added). ``_grown`` appends to
+# them in place: a live pass adds a few rows to a block of up to SMALL_BLOCK.
+_Parts = list[bytearray | list[str | None]]
+
+
+def _parts(sec: _Sections, n: int) -> _Parts:
+    return [
+        _untexts(sec[i], n) if name in _TEXTS else bytearray(sec[i])
+        for i, name in enumerate(Metric._fields)
+    ]
+
+
+def _grown(parts: _Parts, n: int, cols: MetricColumns) -> _Parts:
+    """``parts`` (of ``n`` rows) with ``cols`` appended, in place; returns ``parts``."""
     k = len(cols)
-    sections = []
     for i, name in enumerate(Metric._fields):
         col = getattr(cols, name)
-        if name in _TEXTS:
-            sections.append(_texts([*_untexts(old[i], n), *col]))
+        before = parts[i]
+        if isinstance(before, list):
+            before.extend(col)
             continue
-        before = old[i]
         new, fill = (_ints(col), _FILL_Q) if name in _INTS else (_floats(col), _FILL_D)
         # an empty section is "missing on every row": spelt out when the other part has values
-        sections.append((before or fill * n) + (new or fill * k) if before or new else b"")
-    return _pack(n + k, sections, compress)
+        if not before and not new:
+            continue
+        if not before:
+            before += fill * n
+        before += new or fill * k
+    return parts
+
+
+def _encoded(parts: _Parts) -> list[bytes | bytearray]:
+    return [_texts(p) if isinstance(p, list) else p for p in parts]
 
 
 def _unints(raw: bytes, n: int) -> list[int | None]:
@@ -304,6 +331,9 @@ class _Sections:
         if not self._z or not raw:
             return raw
         return zlib.decompress(raw[1:]) if raw[:1] == b"z" else raw[1:]
+
+
+_NO_ROWS = _Sections(_pack(0, [b""] * len(Metric._fields), False))
 
 
 def _sections(blob: bytes) -> tuple[int, _Sections]:
@@ -454,6 +484,23 @@ def _joined(before: Sequence[Any], after: Sequence[Any]) -> tuple[object, ...]:
     )
 
 
+@dataclass(slots=True)
+class _Open:
+    """A source's last block as this writer stored it: its row (without the data), and the
+    parts it grows from while it is small. A live pass grows it from here instead of reading
+    it back and unpacking it (that cost more than the rest of the pass's writes)."""
+
+    row: tuple[Any, ...]  # id, then _ROW_COLS, as stored
+    n: int
+    parts: _Parts | None  # None: full (it grows no more)
+    raw: bool  # stored uncompressed (to grow): compressed when closed
+
+
+# per writing store: source id -> its last block (a row that no longer matches is read back)
+_OPEN: weakref.WeakKeyDictionary[Store, dict[int, _Open]] = weakref.WeakKeyDictionary()
+_OPEN_MAX = 1024  # sources whose open block is kept (the rest are read back when written)
+
+
 # -- the repository --------------------------------------------------------------------------
 
 
@@ -490,22 +537,25 @@ class Metrics:
         new = cols
         grown = None
         if source_id is not None:
-            last = self._conn.execute(
-                f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
-                "ORDER BY last_offset DESC LIMIT 1",
-                (source_id,),
-            ).fetchone()
-            # (id, run_id, source_id, the summary columns from first_offset on..., data)
-            if last is not None and last[4] >= lo:  # else no stored block reaches this far
+            last = self._last(source_id)
+            if last is not None and last.row[4] >= lo:  # else no stored block reaches this far
                 new = cols = self._unseen(source_id, lo, hi, cols)
                 if not len(cols):
                     return 0
             grown = self._after_small_block(last, run_id, cols)
-        summary, data = grown or (_summary(cols), encode(cols))
-        self.store.execute(
+        if grown is None:
+            parts = _grown(_parts(_NO_ROWS, 0), 0, cols)
+            summary, data = _summary(cols), _pack(len(cols), _encoded(parts), COMPRESS)
+        else:
+            summary, data, parts = grown
+        cur = self.store.execute(
             f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, source_id, *summary, data),
         )
+        if source_id is not None:
+            n = int(summary[2])  # type: ignore[call-overload]
+            row = (cur.lastrowid, run_id, source_id, *summary)
+            self._remember(_Open(row, n, parts if n < SMALL_BLOCK else None, data[:4] == _MAGIC))
         return len(new)
 
     def insert_packed(self, run_id: int | None, source_id: int | None, p: Packed) -> int:
@@ -514,50 +564,90 @@ class Metrics:
         rows are unpacked and go the columns' way)."""
         lo = p.summary[0]
         if source_id is not None:
-            last = self._conn.execute(
-                f"SELECT id, {_BLOCK_COLS} FROM metric_blocks WHERE source_id = ? "
-                "ORDER BY last_offset DESC LIMIT 1",
-                (source_id,),
-            ).fetchone()
+            last = self._last(source_id)
             if last is not None:
-                if last[4] >= lo or (last[1] == run_id and last[5] + p.n <= SMALL_BLOCK):
+                if last.row[4] >= lo or (last.row[1] == run_id and last.n + p.n <= SMALL_BLOCK):
                     return self.insert_columns(run_id, source_id, decode(p.data))
-                self._close(last[0], last[14])
+                self._close(last)
+            _OPEN.get(self.store, {}).pop(source_id, None)  # the next chunk reads it back
         self.store.execute(
             f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, source_id, *p.summary, p.data),
         )
         return p.n
 
+    def _last(self, source_id: int) -> _Open | None:
+        """The source's last block (the one with the highest last offset), if it has one: as
+        this writer last wrote it when its row is still the one stored (a transaction rolled
+        back, retention or another insert path changed it otherwise), else read back."""
+        row = self._conn.execute(
+            f"SELECT id, {_ROW_COLS} FROM metric_blocks WHERE source_id = ? "
+            "ORDER BY last_offset DESC LIMIT 1",
+            (source_id,),
+        ).fetchone()
+        held = _OPEN.get(self.store, {})
+        if row is None:
+            held.pop(source_id, None)
+            return None
+        got = held.get(source_id)
+        if got is not None and got.row == row:
+            return got
+        (blob,) = self._conn.execute(
+            "SELECT data FROM metric_blocks WHERE id = ?", (row[0],)
+        ).fetchone()
+        n, sec = _sections(blob)
+        got = _Open(row, n, _parts(sec, n) if n < SMALL_BLOCK else None, blob[:4] == _MAGIC)
+        self._remember(got)
+        return got
+
+    def _remember(self, block: _Open) -> None:
+        held = _OPEN.setdefault(self.store, {})
+        held.pop(block.row[2], None)
+        held[block.row[2]] = block
+        if len(held) > _OPEN_MAX:  # the sources written longest ago go first
+            del held[next(iter(held))]
+
     def _after_small_block(
-        self, row: tuple[Any, ...] | None, run_id: int | None, cols: MetricColumns
-    ) -> tuple[tuple[object, ...], bytes] | None:
+        self, last: _Open | None, run_id: int | None, cols: MetricColumns
+    ) -> tuple[tuple[object, ...], bytes, _Parts] | None:
         """A live pass reads a line or two per file: appended to the source's last block while
         it is small, they cost a few bytes each instead of a block's overhead. The grown block
         is written anew (a new id: readers that follow ids see it; what they had seen of it
         is known to them by offset or step), keyed by the same first offset. Returns its
-        summary columns and data, or None (``cols`` make a block of their own). ``row``: the
-        source's last block (the one with the highest last offset), if it has one."""
-        if row is None:
+        summary columns, data and parts, or None (``cols`` make a block of their own)."""
+        if last is None:
             return None
-        n = row[5] + len(cols)
-        if row[1] != run_id or n > SMALL_BLOCK:
-            self._close(row[0], row[14])
+        n = last.n + len(cols)
+        if last.row[1] != run_id or n > SMALL_BLOCK or last.parts is None:
+            self._close(last)
             return None
-        if row[4] >= min(cols.offset):
+        if last.row[4] >= min(cols.offset):
             return None  # not after it (a source read again from an earlier offset)
-        self.store.execute("DELETE FROM metric_blocks WHERE id = ?", (row[0],))
+        self.store.execute("DELETE FROM metric_blocks WHERE id = ?", (last.row[0],))
+        # its parts grow in place: it is no longer the block stored until the insert is done
+        _OPEN[self.store].pop(last.row[2], None)
         # kept raw while it may grow again (each growth would inflate and deflate it whole),
         # compressed once it is full or the next block starts (``_close``)
-        data = grow(row[14], cols, compress=COMPRESS and n >= SMALL_BLOCK)
-        return _joined(row[3:14], _summary(cols)), data
+        parts = _grown(last.parts, last.n, cols)
+        data = _pack(n, _encoded(parts), COMPRESS and n >= SMALL_BLOCK)
+        return _joined(last.row[3:14], _summary(cols)), data, parts
 
-    def _close(self, block_id: int, data: bytes) -> None:
+    def _close(self, last: _Open) -> None:
         """A source's last block is done growing: compressed if it was kept raw to grow."""
-        if COMPRESS and data[:4] == _MAGIC:
-            n, sec = _sections(data)
-            packed = _pack(n, (sec[i] for i in range(len(Metric._fields))), True)
-            self.store.execute("UPDATE metric_blocks SET data = ? WHERE id = ?", (packed, block_id))
+        if COMPRESS and last.raw:
+            if last.parts is not None:
+                sections = _encoded(last.parts)
+            else:
+                (blob,) = self._conn.execute(
+                    "SELECT data FROM metric_blocks WHERE id = ?", (last.row[0],)
+                ).fetchone()
+                sec = _Sections(blob)
+                sections = [sec[i] for i in range(len(Metric._fields))]
+            packed = _pack(last.n, sections, True)
+            self.store.execute(
+                "UPDATE metric_blocks SET data = ? WHERE id = ?", (packed, last.row[0])
+            )
+            last.raw = False
 
     def _unseen(self, source_id: int, lo: int, hi: int, cols: MetricColumns) -> MetricColumns:
         """Without the iterations whose offsets a stored block of the source already holds."""

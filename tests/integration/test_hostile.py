@@ -362,13 +362,18 @@ def _limit_pages(store: Store, pages: int | None) -> None:
 def _feeds(pipe: Pipeline) -> list[int]:
     """The size of every chunk handed to detection (a spy around the real detector)."""
     fed: list[int] = []
-    real = pipe.detector.feed
+    real, real_columns = pipe.detector.feed, pipe.detector.feed_columns
 
     def feed(data: bytes, *args: Any, **kw: Any) -> Any:
         fed.append(len(data))
         return real(data, *args, **kw)
 
+    def feed_columns(data: bytes, *args: Any, **kw: Any) -> Any:
+        fed.append(len(data))
+        return real_columns(data, *args, **kw)
+
     pipe.detector.feed = feed  # type: ignore[method-assign]
+    pipe.detector.feed_columns = feed_columns  # type: ignore[method-assign]
     return fed
 
 

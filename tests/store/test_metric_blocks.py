@@ -291,6 +291,62 @@ def test_a_grown_block_is_the_block_of_all_its_rows_at_once(tmp_path: Path) -> N
     other.close()
 
 
+def test_a_growing_block_is_not_read_back_from_the_database(tmp_path: Path) -> None:
+    store, run, src = _store(tmp_path / "m.db")
+    with store.transaction():
+        store.insert_metrics(run, src, [_m(0)])
+    reads: list[str] = []
+    store._conn.set_trace_callback(lambda sql: reads.append(sql) if "data" in sql else None)
+    for i in range(1, 40):
+        with store.transaction():
+            assert store.insert_metrics(run, src, [_m(i * 10)]) == 1
+    store._conn.set_trace_callback(None)
+    # the block it grows is the one it wrote: written anew, never selected again
+    assert [sql for sql in reads if sql.lstrip().upper().startswith("SELECT")] == []
+    assert store._conn.execute("SELECT n FROM metric_blocks").fetchall() == [(40,)]
+    assert [m[0] for m in _stored(store)] == [i * 10 for i in range(40)]
+    store.close()
+
+
+def test_a_grown_block_stays_exact_when_a_growth_rolls_back_or_retention_deletes_it(
+    tmp_path: Path,
+) -> None:
+    store, run, src = _store(tmp_path / "m.db")
+    with store.transaction():
+        store.insert_metrics(run, src, [_m(0), _m(10)])
+    # a refused commit (disk full): the growth is undone, and the batch is written again
+    with pytest.raises(RuntimeError), store.transaction():
+        store.insert_metrics(run, src, [_m(20)])
+        raise RuntimeError("refused")
+    with store.transaction():
+        assert store.insert_metrics(run, src, [_m(20)]) == 1
+        assert store.insert_metrics(run, src, [_m(30)]) == 1
+    assert [m[0] for m in _stored(store)] == [0, 10, 20, 30]
+    blocks = "SELECT n FROM metric_blocks WHERE source_id = ?"
+    assert store._conn.execute(blocks, (src,)).fetchall() == [(4,)]  # one block, grown
+    # another source's block takes the id a rolled-back growth had
+    other = store.execute(
+        "INSERT INTO sources(run_id, path, root, dev, ino, created_at, updated_at) "
+        "VALUES (?, '/r/rank1.log', '/r', 1, 2, 'x', 'x')",
+        (run,),
+    ).lastrowid
+    with pytest.raises(RuntimeError), store.transaction():
+        store.insert_metrics(run, src, [_m(40)])
+        raise RuntimeError("refused")
+    with store.transaction():
+        store.insert_metrics(run, other, [_m(5, rank=1)])
+        assert store.insert_metrics(run, src, [_m(40)]) == 1
+    assert store._conn.execute(blocks, (src,)).fetchall() == [(5,)]
+    assert sorted(m[0] for m in _stored(store)) == [0, 5, 10, 20, 30, 40]
+    # retention takes the source's block: what comes next starts a block of its own
+    store.expire_metrics(Metrics(store).last_block())
+    with store.transaction():
+        assert store.insert_metrics(run, src, [_m(50), _m(60)]) == 2
+    assert [m[0] for m in _stored(store)] == [50, 60]
+    assert store._conn.execute("SELECT n FROM metric_blocks").fetchall() == [(2,)]
+    store.close()
+
+
 def _schema_4(db: Path) -> None:
     conn = sqlite3.connect(db)
     for m in MIGRATIONS[:4]:
