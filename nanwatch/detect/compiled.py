@@ -82,6 +82,7 @@ class Compiled:
             for lit in lits
         ]
         self._any_prefix: Any = False  # built when a first chunk is read
+        self._any_prefix_text: Any = False
 
     @property
     def any_prefix(self) -> Any:
@@ -99,6 +100,19 @@ class Compiled:
 
                     self._any_prefix = regex.compile(raw, regex.V0)
         return self._any_prefix
+
+    @property
+    def any_prefix_text(self) -> Any:
+        """:attr:`any_prefix` for a decoded line (None: no rule has a prefix)."""
+        if self._any_prefix_text is False:
+            alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
+            self._any_prefix_text = None
+            if alts:
+                import regex
+
+                raw = "(?:" + "|".join(f"(?:{a})" for a in alts) + ")"
+                self._any_prefix_text = regex.compile(raw, regex.V0)
+        return self._any_prefix_text
 
     def literal_filter(self, fmt: int | None = None, inert: bool = False) -> tuple[Any, list[int]]:
         """The literal prefilter (and its literals' indexes in ``literals``): of every literal,

@@ -388,6 +388,8 @@ class Detector:
         """The prefix attributes of the line before ``start`` when ``line`` (which has no
         prefix) is its hard-wrapped tail: a terminal cut a long ``[rank6]:`` line, and the
         detection's literal is on the tail."""
+        if _NEW_RECORD.match(line):
+            return {}  # the usual line: a record of its own (a log head, a bracket, a time)
         lo = chunk.rfind(b"\n", 0, start - 1) + 1
         if start - 1 - lo < WRAP_MIN:
             return {}
@@ -404,6 +406,9 @@ class Detector:
         self, text: str, trace: set[str] | None = None
     ) -> tuple[str, dict[str, Any]]:
         attrs: dict[str, Any] = {}
+        quick = self._c.any_prefix_text
+        if quick is not None and quick.match(text, 0, PREFIX_LIMIT) is None:
+            return text, attrs  # the usual line: no prefix (one match instead of one each)
         for _ in range(4):
             for p in self.rules.prefixes:
                 m = p.cre.match(text, 0, PREFIX_LIMIT)
