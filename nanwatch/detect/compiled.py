@@ -89,10 +89,10 @@ class Compiled:
         """One cheap bytes check that tells whether a chunk-rule line carries a prefix at all
         (None: no rule has one)."""
         if self._any_prefix is False:
-            alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
             self._any_prefix = None
-            if alts:
-                raw = ("(?:" + "|".join(f"(?:{a})" for a in alts) + ")").encode("utf-8")
+            alts = self._prefix_alternation()
+            if alts is not None:
+                raw = alts.encode("utf-8")
                 try:
                     self._any_prefix = re.compile(raw)
                 except re.error:
@@ -105,14 +105,18 @@ class Compiled:
     def any_prefix_text(self) -> Any:
         """:attr:`any_prefix` for a decoded line (None: no rule has a prefix)."""
         if self._any_prefix_text is False:
-            alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
             self._any_prefix_text = None
-            if alts:
+            alts = self._prefix_alternation()
+            if alts is not None:
                 import regex
 
-                raw = "(?:" + "|".join(f"(?:{a})" for a in alts) + ")"
-                self._any_prefix_text = regex.compile(raw, regex.V0)
+                self._any_prefix_text = regex.compile(alts, regex.V0)
         return self._any_prefix_text
+
+    def _prefix_alternation(self) -> str | None:
+        """Every prefix pattern, unanchored and without group names, as one alternation."""
+        alts = [_NAMED.sub("(?:", p.pattern.lstrip("^")) for p in self.rules.prefixes]
+        return "(?:" + "|".join(f"(?:{a})" for a in alts) + ")" if alts else None
 
     def literal_filter(self, fmt: int | None = None, inert: bool = False) -> tuple[Any, list[int]]:
         """The literal prefilter (and its literals' indexes in ``literals``): of every literal,

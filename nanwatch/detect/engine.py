@@ -52,10 +52,13 @@ def _starts_record(line: str, nxt: str) -> bool:
     """Does ``nxt`` start a record of its own, or may it be the hard-wrapped tail of ``line``?
     A line that opens as the one before it did (``(VllmWorker TP1 pid=961) ERROR ...`` twice)
     is a record of its own: a wrapped tail never repeats its line's head."""
-    if _NEW_RECORD.match(nxt):
-        return True
-    k = min(HEAD_SAME, len(line))
-    return k == HEAD_SAME and not line[:k].isspace() and nxt[:k] == line[:k]
+    return bool(_NEW_RECORD.match(nxt)) or _same_head(line, nxt)
+
+
+def _same_head(line: str, nxt: str) -> bool:
+    """Does ``nxt`` open as ``line`` does (its first HEAD_SAME characters, not all blank)?"""
+    head = line[:HEAD_SAME]
+    return len(head) == HEAD_SAME and not head.isspace() and nxt.startswith(head)
 
 
 # the process that printed a CANN / torch_npu report: "EI0002: [PID: 3305] ...", "[ERROR]
@@ -394,7 +397,7 @@ class Detector:
         if start - 1 - lo < WRAP_MIN:
             return {}
         prev = decode_line(chunk[lo : start - 1])
-        if len(prev) < WRAP_MIN or _starts_record(prev, line):
+        if len(prev) < WRAP_MIN or _same_head(prev, line):  # (not a record of its own: above)
             return {}
         return self._strip_prefixes(prev)[1]
 

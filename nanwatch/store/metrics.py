@@ -67,6 +67,10 @@ _ROW_COLS = (
 _BLOCK_COLS = _ROW_COLS + ", data"
 
 
+_MARKS = ",".join("?" * (_BLOCK_COLS.count(",") + 1))
+_INSERT_BLOCK = f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES ({_MARKS})"
+
+
 @dataclass(frozen=True, slots=True)
 class MetricColumns:
     """Parallel columns, one entry per logged iteration, in :class:`Metric`'s field order."""
@@ -549,7 +553,7 @@ class Metrics:
         else:
             summary, data, parts = grown
         cur = self.store.execute(
-            f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            _INSERT_BLOCK,
             (run_id, source_id, *summary, data),
         )
         if source_id is not None:
@@ -571,7 +575,7 @@ class Metrics:
                 self._close(last)
             _OPEN.get(self.store, {}).pop(source_id, None)  # the next chunk reads it back
         self.store.execute(
-            f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            _INSERT_BLOCK,
             (run_id, source_id, *p.summary, p.data),
         )
         return p.n
@@ -1012,7 +1016,7 @@ def rows_to_blocks(conn: sqlite3.Connection) -> None:
         if rows and key is not None:
             cols = MetricColumns.from_rows(rows)
             conn.execute(
-                f"INSERT INTO metric_blocks({_BLOCK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                _INSERT_BLOCK,
                 (key[0], key[1], *_summary(cols), encode(cols)),
             )
         rows.clear()

@@ -188,24 +188,32 @@ def test_numbers_float_refuses_go_to_the_python_reader() -> None:
     assert c.declined == 1 and c.read == 0
 
 
-@needs_core
-def test_a_scan_stores_the_same_with_either_core(
-    bench_logs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _scan_the_same_with_either_core(
+    logs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Scan ``logs`` in pure Python and with the compiled core: the same events, metrics and
+    sources, every iteration stored."""
     got = {}
     for pure in ("1", "0"):
         monkeypatch.setenv(chunkcore.PURE_ENV, pure)
         db = tmp_path / f"{pure}.db"
         store = Store.open(db)
         try:
-            Pipeline(Config(), store, [str(bench_logs["short"].root)]).scan()
+            Pipeline(Config(), store, [str(logs.root)]).scan()
         finally:
             store.close()
         got[pure] = _db_rows(db)
-    assert len(got["0"]["metrics"]) == bench_logs["short"].iteration_lines
+    assert len(got["0"]["metrics"]) == logs.iteration_lines
     assert _same(got["1"]["events"], got["0"]["events"])
     assert _same(got["1"]["metrics"], got["0"]["metrics"])
     assert got["1"]["sources"] == got["0"]["sources"]
+
+
+@needs_core
+def test_a_scan_stores_the_same_with_either_core(
+    bench_logs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _scan_the_same_with_either_core(bench_logs["short"], tmp_path, monkeypatch)
 
 
 @needs_core
@@ -226,21 +234,8 @@ def test_a_scan_in_worker_processes_stores_the_same_with_either_core(
         return real_pool(detector, workers, **kw)
 
     monkeypatch.setattr(pool_module, "DetectorPool", pool)
-    got = {}
-    for pure in ("1", "0"):
-        monkeypatch.setenv(chunkcore.PURE_ENV, pure)
-        db = tmp_path / f"{pure}.db"
-        store = Store.open(db)
-        try:
-            Pipeline(Config(), store, [str(bench_logs["long"].root)]).scan()
-        finally:
-            store.close()
-        got[pure] = _db_rows(db)
+    _scan_the_same_with_either_core(bench_logs["long"], tmp_path, monkeypatch)
     assert started == [2, 2]
-    assert len(got["0"]["metrics"]) == bench_logs["long"].iteration_lines
-    assert _same(got["1"]["events"], got["0"]["events"])
-    assert _same(got["1"]["metrics"], got["0"]["metrics"])
-    assert got["1"]["sources"] == got["0"]["sources"]
 
 
 # -- generated iteration lines ----------------------------------------------------------------
