@@ -194,11 +194,10 @@ FRAMES = {
         "val",
     ),
     "detectron2": (['  File "/d/evaluator.py", line 158, in inference_on_dataset'], "val"),
-    # an entry script's name says no stage of its own
-    "test.py": (['  File "tools/test.py", line 12, in <module>'], None),
-    "eval.py": (['  File "/w/eval.py", line 30, in <module>'], None),
-    "inference server": (['  File "/srv/inference_server.py", line 9, in <module>'], None),
-    "train.py": (['  File "/w/tools/train.py", line 9, in <module>'], None),
+    "test.py": (['  File "tools/test.py", line 12, in <module>'], "test"),
+    "eval.py": (['  File "/w/eval.py", line 30, in <module>'], "val"),
+    "inference server": (['  File "/srv/inference_server.py", line 9, in <module>'], "test"),
+    "train.py": (['  File "/w/tools/train.py", line 9, in <module>'], "train"),
     "a library frame": (['  File "/t/nn/modules/module.py", line 1501, in _call_impl'], None),
 }
 
@@ -211,36 +210,16 @@ def test_stage_from_the_frames_of_each_framework_and_the_entry_script() -> None:
     assert got == {name: stage for name, (_, stage) in FRAMES.items()}
 
 
-SITE_ENTRY_PACK = """
-[pack]
-id = "site"
-
-[[rule]]
-id = "site.entry_trainer"
-type = "context"
-hint = true
-entry = true
-literals = ["run_trainer.py"]
-pattern = 'run_trainer\\.py", line \\d+, in <module>'
-set = { stage = "train" }
-"""
-
-
-def test_an_entry_script_never_replaces_a_loop_frame(tmp_path: Path) -> None:
-    # a site pack that knows its own scripts marks its hint rule as the entry script's
-    (tmp_path / "site.toml").write_text(SITE_ENTRY_PACK, encoding="utf-8")
-    det = Detector(load_rules([tmp_path]), default_year=2026)
-
-    def stage(lines: list[str]) -> str | None:
-        data = "".join(line + "\n" for line in lines).encode("utf-8")
-        return det.feed(data, 0, StreamState(), "rank.log")[0][0].stage
-
-    entry = '  File "/w/run_trainer.py", line 9, in <module>'
-    loop = '  File "/m/base_model.py", line 133, in val_step'
-    assert stage(["Traceback (most recent call last):", entry, OOM]) == "train"
-    assert stage(["Traceback (most recent call last):", entry, loop, OOM]) == "val"
+def test_an_entry_script_never_replaces_a_loop_frame() -> None:
+    frames = [
+        '  File "/w/tools/train.py", line 9, in <module>',
+        '  File "/m/base_model.py", line 133, in val_step',
+    ]
+    events, _ = feed(["Traceback (most recent call last):", *frames, OOM])
+    assert events[0].stage == "val"
     # IPython order: the error first, then the frames; the loop frame still wins
-    assert stage([f"[rank1]: {OOM}", f"[rank1]: {entry}", f"[rank1]: {loop}"]) == "val"
+    events, _ = feed([f"[rank1]: {OOM}", *(f"[rank1]: {f}" for f in frames)])
+    assert events[0].stage == "val"
 
 
 RANKS = {
