@@ -12,6 +12,10 @@ from typing import Any
 
 # What a launcher or scheduler prints about the launch (context rules' groups of these names):
 # the same on every node of one launch, so they name the job across nodes (sources/identity.py).
+# a rank, epoch, iteration or step beyond this is not a position a run reaches (the database's
+# columns are 64-bit): detect/bounds.py reads the text's numbers against it
+STEP_LIMIT = 2**62
+
 LAUNCH_KEYS = frozenset(
     {
         "slurm_job_id",
@@ -91,7 +95,8 @@ class StreamState:
             return
         if self.epoch is not None and self.iter is not None and self.iters:
             done = self.epoch if self.first_epoch == 0 else self.epoch - 1
-            self.step = max(done, 0) * self.iters + self.iter
+            step = max(done, 0) * self.iters + self.iter
+            self.step = step if step < STEP_LIMIT else None  # not a position a run reaches
         elif self.iter is not None and self.epoch is None:
             self.step = self.iter
 

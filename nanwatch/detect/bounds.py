@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..stream import STEP_LIMIT
+
 # the stdlib's own regex parser reads a pattern's structure (private: typeshed does not
 # describe it; ``sre_parse`` before Python 3.11)
 try:
@@ -38,6 +40,20 @@ MAX_CHARS_MAX = 4 * 1024 * 1024  # the longest line the sources hand over
 LONG_LINE = 2048  # shorter lines cannot be slow enough to need a time budget
 PREFIX_LIMIT = 4096  # characters of a line a prefix pattern (rank, host...) may span
 MATCH_BUDGET = 0.5  # seconds one rule may spend on one long line (shipped ones: ~0.1 at most)
+COUNT_LIMIT = STEP_LIMIT  # a rank, epoch, iteration or step the text prints is below this
+
+
+def count(value: Any) -> int | None:
+    """A rank, epoch, iteration or step read from the text, or None when it is not a number or
+    is beyond what a run can count ("[rank99999999999999999999]" is no rank: the database's
+    64-bit columns could not even hold it)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if -COUNT_LIMIT < n < COUNT_LIMIT else None
+
+
 LOOKBEHIND_MAX = 255  # characters a lookbehind may look back
 
 _GROUP = re.compile(r"\(\?P<(\w+)>")

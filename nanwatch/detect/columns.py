@@ -30,6 +30,8 @@ from typing import Any, cast
 from ..events import Metric
 from ..stream import StreamState
 from . import core as _core
+from .bounds import COUNT_LIMIT
+from .bounds import count as _count
 from .compiled import ChunkPlan, Compiled, _number
 from .rules import Rule, normalize_stage
 from .timestamps import TimeParser
@@ -261,10 +263,14 @@ def inert_literals(rule: Rule, markers: Sequence[bytes], c: Compiled) -> list[tu
 
 
 def _ints(col: Sequence[bytes | None]) -> list[int | None]:
+    """int() of each \\d+ text; one beyond what a run counts (``bounds.count``) is missing."""
     try:
-        return [int(b) for b in col]  # type: ignore[arg-type]
+        out: list[int | None] = [int(b) for b in col]  # type: ignore[arg-type]
     except TypeError:
-        return [None if b is None else int(b) for b in col]
+        out = [None if b is None else int(b) for b in col]
+    if max(filter(None, out), default=0) >= COUNT_LIMIT:
+        out = [_count(v) for v in out]
+    return out
 
 
 def _floats(col: Sequence[bytes | None], ms: bool) -> list[float | None]:
@@ -406,6 +412,8 @@ def apply(
     ):
         # the common case at once: training rows of an epoch-based loop counted from 1
         steps = [(e - 1) * p + i for e, i, p in zip(epochs, iters_in, per_epoch)]  # type: ignore[operator]
+        if steps and max(steps) >= COUNT_LIMIT:  # type: ignore[operator,type-var]
+            steps = [_count(s) for s in steps]
     else:
         steps = []
         step = state.step
@@ -418,7 +426,7 @@ def apply(
                 first0 = True
             if not given and st in (None, "train"):
                 if e is not None and it is not None and per:
-                    step = max(e if first0 else e - 1, 0) * per + it
+                    step = _count(max(e if first0 else e - 1, 0) * per + it)
                 elif it is not None and e is None:
                     step = it
             steps.append(step)

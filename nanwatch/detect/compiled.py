@@ -11,6 +11,7 @@ from ..events import Metric
 from ..stream import StreamState
 from . import core as _core
 from . import prefilter
+from .bounds import count
 from .prefilter import Prefilter
 from .rules import TIERS, Rule, RuleSet, normalize_stage
 
@@ -386,11 +387,12 @@ def chunk_state(plan: ChunkPlan, g: tuple[bytes | None, ...], state: StreamState
             if key in STATE_INTS:
                 if key == "step":
                     step_given = True
-                try:
-                    setattr(state, key, int(b))
+                n = count(b)
+                if n is not None or b.isdigit():  # beyond what a run counts: not a position
+                    if n is not None:
+                        setattr(state, key, n)
                     continue
-                except ValueError:
-                    pass  # not ASCII digits: what the decoded text says
+                # not ASCII digits: what the decoded text says
             v = b.decode("utf-8", "replace")
         if key == "stage":
             stage = normalize_stage(str(v))
@@ -401,11 +403,9 @@ def chunk_state(plan: ChunkPlan, g: tuple[bytes | None, ...], state: StreamState
         elif key in STATE_INTS:
             if key == "step":
                 step_given = True
-            if v != "":
-                try:
-                    setattr(state, key, int(v))
-                except (TypeError, ValueError):
-                    pass
+            n = count(v) if v != "" else None
+            if n is not None:
+                setattr(state, key, n)
         elif v:
             setattr(state, key, str(v))
     state.follow_step(step_given)

@@ -25,7 +25,7 @@ from ..events import DEVICES, Event, Metric
 from ..sources.dates import file_bound
 from ..stream import LAUNCH_KEYS, StreamState
 from . import companion, progress
-from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT
+from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT, count
 from .columns import ColumnFormat, MetricColumns, Rows, joined
 from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
@@ -420,7 +420,9 @@ class Detector:
                         if v is None or k.startswith("_"):
                             continue
                         if k in ("rank", "local_rank"):
-                            attrs.setdefault(k, int(v))
+                            n = count(v)
+                            if n is not None:
+                                attrs.setdefault(k, n)
                         elif k in ("node", "device", "pid", "worker"):
                             attrs.setdefault(k, v)
                     text = text[m.end() :]
@@ -525,22 +527,17 @@ class Detector:
                 state.hint_line = line_no
                 state.hint_weak = weak
             rank = values.get("rank")
-            if rank is not None:
-                try:
-                    # a report head that says its rank is unknown ("RankID:-1") ends the rank an
-                    # earlier record lent: that rank is a neighbour's, not this record's
-                    state.hint_rank = int(rank) if int(rank) >= 0 else None
-                    state.hint_rank_line = line_no
-                    state.hint_rank_once = False
-                except (TypeError, ValueError):
-                    pass
-            local = values.get("local_rank")
+            n = count(rank)
+            if n is not None:
+                # a report head that says its rank is unknown ("RankID:-1") ends the rank an
+                # earlier record lent: that rank is a neighbour's, not this record's
+                state.hint_rank = n if n >= 0 else None
+                state.hint_rank_line = line_no
+                state.hint_rank_once = False
+            local = count(values.get("local_rank"))
             if local is not None:
-                try:
-                    state.hint_local_rank = int(local)
-                    state.hint_rank_line = line_no
-                except (TypeError, ValueError):
-                    pass
+                state.hint_local_rank = local
+                state.hint_rank_line = line_no
             return
         if stage:
             if stage != state.stage:
@@ -549,9 +546,8 @@ class Detector:
         for key in ("epoch", "iter", "iters", "step", "rank", "local_rank"):
             v = values.get(key)
             if v is not None and v != "":
-                try:
-                    n = int(v)
-                except (TypeError, ValueError):
+                n = count(v)
+                if n is None:
                     continue
                 if n >= 0 or key not in ("rank", "local_rank"):
                     setattr(state, key, n)
@@ -899,11 +895,8 @@ class Detector:
             state.hint_rank_once = True
         pid = prefix_attrs.get("pid")
         if pid is not None and prefix_rank is None and values.get("rank") is not None:
-            try:
-                rank = int(values["rank"])
-            except (TypeError, ValueError):
-                return
-            if rank < 0:
+            rank = count(values["rank"])
+            if rank is None or rank < 0:
                 return  # "RankID:-1": the process does not know its rank
             known = state.pid_ranks or {}
             if known.get(pid) != rank and len(known) < 4096:
@@ -913,9 +906,8 @@ class Detector:
     def _late_rank(value: Any, line_no: int, f: Feed, state: StreamState) -> None:
         """An indented line of a report (a CANN block's continuation) that names the reporting
         rank after the report's first line: the open report without a rank is that rank's."""
-        try:
-            rank = int(value)
-        except (TypeError, ValueError):
+        rank = count(value)
+        if rank is None:
             return
         idx = f.opened.get("?")
         block = state.blocks.get("?")
@@ -965,9 +957,8 @@ class Detector:
             if k.startswith("_") or k in ("ts", "iters"):
                 continue
             if k in _INT_ATTRS:
-                try:
-                    n = int(v)
-                except (TypeError, ValueError):
+                n = count(v)
+                if n is None:
                     continue
                 if n < 0 and k in ("rank", "local_rank"):
                     continue  # "RankID:-1": not known to the process that printed it

@@ -497,3 +497,38 @@ def test_counts_without_the_core_are_bytes_count(monkeypatch: pytest.MonkeyPatch
     data = b"Epoch(train) [1][10/20]\nIter(val) [3/9]\nEpoch(\n"
     needles = (b"Epoch(", b"Iter(", b"poch", b"\n")
     assert chunkcore.count_all(data, needles) == [2, 1, 2, 3]
+
+
+@pytest.mark.parametrize("pure", ["1", "0"])
+def test_numbers_beyond_what_a_run_counts_are_no_position(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pure: str
+) -> None:
+    """A rank, epoch or iteration of 25 digits (or a step their product makes) is not stored as
+    one: the scan keeps every line's event and metric, with those positions missing, instead of
+    failing on the database's 64-bit columns."""
+    from nanwatch.query import iter_events
+
+    monkeypatch.setenv(chunkcore.PURE_ENV, pure)
+    big, wide = "9" * 25, "9" * 12
+    head = "2026/11/30 10:00:{:02d} - mmengine - INFO - "
+    tail = "  lr: 1.0e-04  eta: 0:01:00  time: 0.5  data_time: 0.01  memory: 1000  loss: {}"
+    lines = [
+        head.format(1) + f"Epoch(train) [{big}][1/{big}]" + tail.format("0.5"),
+        head.format(2) + f"Epoch(train) [{wide}][2/{wide}]" + tail.format("0.5"),
+        head.format(3) + f"Epoch(train) [{wide}][3/{wide}]" + tail.format("nan"),
+        f"[rank{big}]: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB "
+        "(GPU 0; 10.00 GiB total capacity; 9.00 GiB already allocated)",
+    ]
+    log = tmp_path / "huge.log"
+    log.write_text("\n".join(lines) + "\n")
+    db = tmp_path / "huge.db"
+    store = Store.open(db)
+    try:
+        Pipeline(Config(), store, [str(log)]).scan()
+        events = {e["kind"]: e for e in iter_events(store._conn)}
+    finally:
+        store.close()
+    assert events["nan"]["epoch"] == int(wide) and events["nan"]["iter"] == 3
+    assert events["nan"]["step"] is None  # (epoch - 1) * iters + iter is beyond 2**62
+    assert events["oom"]["rank"] is None
+    assert len(_db_rows(db)["metrics"]) == 3
