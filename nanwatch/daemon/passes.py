@@ -99,9 +99,11 @@ class _Batch:
         self.items: list[Pending] = []
         self.size = 0
         self.events = 0
+        self.last: dict[int, StreamState] = {}  # each record's state after its last chunk
 
     def add(self, p: Pending) -> None:
         self.items.append(p)
+        self.last[id(p.chunk.record)] = p.state
         self.size += p.size
         self.events += len(p.events)
         if self.size >= BATCH_BYTES or self.events >= BATCH_EVENTS:
@@ -261,6 +263,9 @@ class Passes:
         finally:
             if pooled is not None:
                 pooled.close()
+        if final:
+            for rec in records:
+                self._ended(rec, batch)
         # commit first: a decision about a renamed or copied file below must see every offset
         # this pass moved (a rotated copy resumes where its twin's committed bytes end)
         batch.flush()
@@ -288,6 +293,22 @@ class Passes:
             if self.on_changes is not None:
                 self.on_changes(changes)
         return changes
+
+    def _ended(self, rec: SourceRecord, batch: _Batch) -> None:
+        """A scan read ``rec`` to its end: what the end of its text says (a traceback cut off
+        there), committed like an unterminated last line (no offset or state moves)."""
+        if rec.fd is None or self.router.route(rec) != "rules":
+            return
+        state = batch.last.get(id(rec), rec.state)
+        if not state.records:
+            return
+        events = self.detector.ended(state, rec.path)
+        if not events:
+            return
+        if rec.run_id is None:
+            rec.run_id = self.identity.assign(rec.root, rec.path)
+        end = Chunk(rec, b"", rec.offset, rec.offset, None, None, 0, False, final=True)
+        batch.add(Pending(end, events, [], state))
 
     def _read(self, rec: SourceRecord, route: Route, final: bool, batch: _Batch) -> None:
         """Read a record's new chunks and detect in this process."""

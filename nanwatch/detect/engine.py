@@ -65,9 +65,16 @@ def _same_head(line: str, nxt: str) -> bool:
 # 2026-... (PID:3305, Device:5, RankID:-1) ERR00100 ..." (reports of two processes are two reports)
 _REPORTER_PID = re.compile(r"(?:\[PID: ?|\(PID: ?)(\d{1,10})[\],]")
 MESSAGE_MAX = 2000
+_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\b")  # a tqdm bar's signs
+_FRAME = re.compile(  # a traceback's frame line: its file's name, line and function
+    r'File "(?:[^"\n]{0,500}/)?(?P<file>[^"/\n]{1,200})", '
+    r"line (?P<line>\d{1,7}), in (?P<func>\S{1,200})"
+)
 HINT_WINDOW = 400  # lines a traceback stage hint stays valid
 RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
 RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) stays open
+FRAME_MAX = 300  # characters of a traceback's innermost frame kept while it is open
+CUT_KEY = "cut"  # the event key of a traceback the text ends inside
 WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 _INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
 _DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
@@ -132,6 +139,48 @@ class Detector:
         return c
 
     # -- public ----------------------------------------------------------------------------------
+
+    def ended(self, state: StreamState, file: str | None = None) -> list[Event]:
+        """What the end of a stream's text says (a scan read it to its end): a traceback it
+        ends inside, whose final line never came (the process died while printing it, or the
+        log was cut), is a failure of the process that printed it, at its innermost frame.
+
+        A progress line after a traceback closes it (the run went on); a traceback record
+        opened more than ``RECORD_LINES`` before the end is over too."""
+        out = []
+        for key, rec in sorted((state.records or {}).items()):
+            if rec[0] != "traceback" or len(rec) < 5:
+                continue
+            if (state.line_no or 0) - rec[1] > RECORD_LINES:
+                continue
+            _, line, offset, frame, last = rec[:5]
+            pending = state.hint_stage and last - state.hint_line <= HINT_WINDOW
+            stage = state.hint_stage if pending else state.stage
+            m = _FRAME.search(frame) if frame else None
+            where = f"{m['func']} ({m['file']}:{m['line']})" if m else frame
+            frame_text = f" (innermost frame: {where})" if where else ""
+            rank = int(key) if key != "?" else state.rank
+            out.append(
+                Event(
+                    kind="process_failure",
+                    message=f"Traceback without its final line: the log ends inside it{frame_text}",
+                    offset=int(offset),
+                    key=CUT_KEY,
+                    time=state.last_time,
+                    file=file,
+                    line=int(line),
+                    rank=rank,
+                    local_rank=state.local_rank,
+                    node=state.node,
+                    epoch=state.epoch,
+                    iter=state.iter,
+                    step=state.step,
+                    stage=stage,
+                    device=state.device,
+                    fields={"rule": "generic.traceback_cut"},
+                )
+            )
+        return out
 
     def feed(
         self,
@@ -574,16 +623,25 @@ class Detector:
         state.records = None
 
     @staticmethod
-    def _open_record(state: StreamState, name: str, rank: Any, line_no: int) -> None:
+    def _open_record(
+        state: StreamState, name: str, rank: Any, line_no: int, offset: int, text: str
+    ) -> None:
+        """A record's head (or a frame line where no head was read) opens it: [name, line,
+        offset, innermost frame, its line]; a frame line inside an open record is its
+        innermost so far."""
         key = "?" if rank is None else str(rank)
         old = (state.records or {}).get(key)
         if name.endswith("?"):  # only where no record is open
             if old is not None and line_no - old[1] <= RECORD_LINES:
+                if len(old) > 3:
+                    frame = text.strip()[:FRAME_MAX]
+                    state.records = {**(state.records or {}), key: [*old[:3], frame, line_no]}
                 return
             name = name[:-1]
         if old is not None and old[0] != name and line_no - old[1] <= 1:
             return  # the line before named this record ("Exception ignored in:")
-        state.records = {**(state.records or {}), key: [name, line_no]}
+        frame = text.strip()[:FRAME_MAX] if name == "traceback" and text[:1].isspace() else ""
+        state.records = {**(state.records or {}), key: [name, line_no, offset, frame, line_no]}
 
     @staticmethod
     def _in_record(state: StreamState, name: str, rank: Any, line_no: int) -> bool:
@@ -736,7 +794,9 @@ class Detector:
                 if text[:1].isspace() and "rank" not in prefix_attrs:
                     self._late_rank(values.get("rank"), line_no, f, state)
             if rule.opens is not None:
-                self._open_record(state, rule.opens, prefix_attrs.get("rank"), line_no)
+                self._open_record(
+                    state, rule.opens, prefix_attrs.get("rank"), line_no, f.base + start, text
+                )
             if rule.progress:
                 self._progress(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:

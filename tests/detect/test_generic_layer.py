@@ -202,6 +202,53 @@ def test_a_run_that_dies_of_an_unnamed_error_is_an_incident(tmp_path: Path) -> N
     assert [e["fields"]["exception"] for e in events] == ["jinja2.exceptions.UndefinedError"]
 
 
+CUT = [
+    "step 4120 | loss: 1.982 | lr: 2.0e-05",
+    "[rank6]: Traceback (most recent call last):",
+    '[rank6]:   File "/srv/job/pretrain.py", line 301, in <module>',
+    "[rank6]:     main()",
+    '[rank6]:   File "/srv/job/loop.py", line 77, in train_step',
+    "[rank6]:     out = self.model(batch)",
+    '[rank6]:   File "/srv/job/blocks.py", line 19, in forward',
+]
+
+
+def test_a_traceback_the_log_ends_inside_is_a_failure_at_its_innermost_frame(
+    tmp_path: Path,
+) -> None:
+    """The final line never came (the process died printing it, or the log was cut): the
+    scan reads the text to its end and reports the record of the rank that printed it, with
+    the stage its frames tell; scanning again adds nothing."""
+    log = tmp_path / "job" / "rank6.log"
+    log.parent.mkdir()
+    log.write_text("\n".join(CUT) + "\n")
+    incidents, events = _scan(tmp_path, log.parent)
+    assert [i["kind"] for i in incidents] == ["process_failure"]
+    (ev,) = events
+    assert (ev["rank"], ev["stage"], ev["line"], ev["step"]) == (6, "train", 2, 4120)
+    assert "forward (blocks.py:19)" in ev["message"]
+    again, events = _scan(tmp_path, log.parent)
+    assert len(events) == 1 and len(again) == 1
+
+
+def test_a_traceback_followed_by_training_or_its_final_line_is_not_cut(tmp_path: Path) -> None:
+    """The run went on (an iteration line after it), or the final line came: nothing, or the
+    failure of its own final line only."""
+    went_on = tmp_path / "a" / "rank6.log"
+    went_on.parent.mkdir()
+    went_on.write_text("\n".join([*CUT, "step 4121 | loss: 1.975 | lr: 2.0e-05"]) + "\n")
+    assert _scan(tmp_path, went_on.parent) == ([], [])
+    ended = tmp_path / "b" / "rank6.log"
+    ended.parent.mkdir()
+    ended.write_text(
+        "\n".join([*CUT, "[rank6]:     return F.linear(x)", "[rank6]: ValueError: bad"])
+    )
+    _, events = _scan(tmp_path / "b", ended.parent)
+    assert [(e["kind"], e["fields"].get("exception")) for e in events] == [
+        ("process_failure", "ValueError")
+    ]
+
+
 def test_healthy_simulated_runs_and_fixtures_stay_quiet() -> None:
     """Nothing the generic layer reads in logs that hold no failure of its kind."""
     generic = ("generic.", "host.", "scheduler.")
