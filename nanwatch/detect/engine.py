@@ -1085,6 +1085,15 @@ class Detector:
                     v = getattr(line_progress, k)
                     if v is not None:
                         attrs.setdefault(k, v)
+        elif m.start() > 0 and _BAR.search(text, 0, m.start()):
+            # a report glued to the progress bar it interrupted (tqdm prints no newline): the
+            # bar's position is where the run was
+            glued = progress.read(text[: m.start()])
+            if glued is not None:
+                for k in ("epoch", "iter", "step"):
+                    v = getattr(glued, k)
+                    if v is not None:
+                        attrs.setdefault(k, v)
         stage = attrs.get("stage")
         own_rank = prefix_attrs.get("rank", attrs.get("rank"))
         if (
@@ -1107,7 +1116,15 @@ class Detector:
             and state.step is None
             and not {"epoch", "iter", "step"} & attrs.keys()
         )
-        if uncounted or stage is None:
+        # the stream knows its epoch but not where in it the run was ("| epoch 027 |" read by
+        # a rule, the iteration on a line no rule knows)
+        partly = (
+            not uncounted
+            and state.iter is None
+            and state.step is None
+            and not {"iter", "step"} & attrs.keys()
+        )
+        if uncounted or partly or stage is None:
             # a report with no counters (or no mode) of its own, in a stream no progress rule
             # knew: the last logged step before it says where the run was, and in which mode
             floor, last = f.looked if f.looked is not None and f.looked[0] <= start else (0, None)
@@ -1117,6 +1134,11 @@ class Detector:
             if last is not None:
                 if uncounted:
                     for k in ("epoch", "iter", "step"):
+                        v = getattr(last, k)
+                        if v is not None:
+                            attrs[k] = v
+                elif partly and last.epoch in (None, attrs.get("epoch", state.epoch)):
+                    for k in ("iter", "step"):
                         v = getattr(last, k)
                         if v is not None:
                             attrs[k] = v
