@@ -833,7 +833,7 @@ class Detector:
             if f.trace is not None:
                 f.trace.add(rule.id)
             if ev.kind == "overflow" and ev.fields.get("incident") is False:
-                cascade = _cascade(ev, state, line_no)
+                cascade = _cascade(ev, state, line_no, _logged_since(ev, state, f, start))
                 if cascade is not None:
                     f.events.append(cascade)  # its own event: the quiet notices fold together
             if rule.alone:
@@ -1197,11 +1197,25 @@ class Detector:
         )
 
 
-def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
+def _logged_since(ev: Event, state: StreamState, f: Feed, start: int) -> bool:
+    """Did a line that prints a loss come between the rank's last overflow notice and this one
+    (in this chunk)? Then the run logged a step in between, whatever format no progress rule
+    knows (fairseq's "| epoch 093 | loss 3.509 | ..." summary)."""
+    run = (state.overflow_runs or {}).get("?" if ev.rank is None else str(ev.rank))
+    if run is None or len(run) < 6 or not f.base <= run[5] < f.base + start:
+        return False
+    floor = f.chunk.find(b"\n", run[5] - f.base) + 1
+    if floor <= 0 or floor >= start:
+        return False
+    logged = progress.before(f.chunk, start, floor=floor)
+    return logged is not None and logged.loss
+
+
+def _cascade(ev: Event, state: StreamState, line_no: int, logged: bool = False) -> Event | None:
     """The overflow ``ev`` as an incident when it makes its rank's run of notices with no
-    iteration line between (and no scale that grew again) long or steep enough: one skipped
-    step is how a dynamic scale finds its level, a scale halved step after step is a run that
-    no longer trains. Returned once per run."""
+    iteration line between (nor a line with a loss: ``logged``), and no scale that grew again,
+    long or steep enough: one skipped step is how a dynamic scale finds its level, a scale
+    halved step after step is a run that no longer trains. Returned once per run."""
     key = "?" if ev.rank is None else str(ev.rank)
     runs = state.overflow_runs or {}
     scale = ev.fields.get("loss_scale")
@@ -1209,7 +1223,8 @@ def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
     attempted = ev.fields.get("attempted_scale")
     run = runs.get(key)
     if run is not None and (
-        run[3] < state.progress_line
+        logged
+        or run[3] < state.progress_line
         or (scale is not None and run[2] is not None and scale > run[2])
     ):
         run = None  # a step trained in between, or the scale grew back: a new run
@@ -1226,7 +1241,10 @@ def _cascade(ev: Event, state: StreamState, line_no: int) -> Event | None:
     warming_up = state.progress_line == 0 and (last is None or last > _CASCADE_WARMUP_FLOOR)
     due = not run[4] and not warming_up and (notices >= _CASCADE_NOTICES or fallen)
     if key in runs or len(runs) < 4096:
-        state.overflow_runs = {**runs, key: [notices, first, last, line_no, bool(run[4]) or due]}
+        state.overflow_runs = {
+            **runs,
+            key: [notices, first, last, line_no, bool(run[4]) or due, ev.offset],
+        }
     if not due:
         return None
     fields = {**ev.fields, "incident": True, "consecutive_overflows": notices}
