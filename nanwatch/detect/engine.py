@@ -780,6 +780,11 @@ class Detector:
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
+            if rule.hint and "rank" in values and _same_process(state, ctx_text, line_no):
+                # one process, one rank: the process named its rank ("RankID:101") in its
+                # report's head; another rank in its later lines is a group's or a peer's
+                # ("group information: [..., rankSize[32], rankId[25 24]]")
+                del values["rank"]
             self._set_state(state, values, line_no, rule.hint, rule.entry)
             if values.get("stage") is not None:
                 if rule.hint:
@@ -1261,6 +1266,17 @@ def _cascade(ev: Event, state: StreamState, line_no: int, logged: bool = False) 
 _CASCADE_NOTICES = 4  # skipped steps in a row, no step trained between
 _CASCADE_FALL = 2.0**4  # the scale's fall from where the run started
 _CASCADE_WARMUP_FLOOR = 2.0**10  # start-up calibration ends above this in healthy fp16 runs
+
+
+def _same_process(state: StreamState, text: str, line_no: int) -> bool:
+    """Is ``text`` a later line of the process whose line named the hint rank (its PID)?"""
+    return (
+        state.hint_rank is not None
+        and state.hint_rank_pid is not None
+        and line_no != state.hint_rank_line
+        and line_no - state.hint_rank_line <= RANK_HINT_WINDOW
+        and _reporter_pid(text) == state.hint_rank_pid
+    )
 
 
 def _reporter_pid(text: str) -> int | None:
