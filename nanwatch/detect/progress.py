@@ -190,12 +190,18 @@ def before(
     if lo > floor or (lo > 0 and chunk[lo - 1 : lo] != b"\n"):
         window = window[1:]  # the first piece is a line cut in its middle
     found: LineProgress | None = None
+    bar: LineProgress | None = None  # the nearest bare progress bar, when no loss line is found
+    seen = 0
     for text in reversed(window[-lines:]):
         if not text.strip():
             continue
+        seen += 1
         p = read(text)
         if p is None:
             continue
+        bare = found is None and bar is None and seen <= BAR_LINES and p.iter is not None
+        if bare and _BARE_BAR.match(text):
+            bar = p
         if found is None:
             if p.loss:
                 found = p
@@ -203,7 +209,12 @@ def before(
                     return found
             elif _header(text, p):
                 # the report is inside a block of metric lines (one per line) whose header
-                # names the step: "Learning iteration 8391/10000", "t = 15500 / 300000"
+                # names the step: "Learning iteration 8391/10000", "t = 15500 / 300000"; a
+                # bare bar between them counts the steps of the epoch the header names
+                if bar is not None and p.iter is None and p.step is None:
+                    return LineProgress(
+                        False, p.stage or bar.stage, p.epoch, bar.iter, None, p.rank
+                    )
                 return p
             continue
         if not found.counted:
@@ -220,7 +231,15 @@ def before(
             return LineProgress(
                 found.loss, found.stage, p.epoch, found.iter, found.step, found.rank
             )
-    return found
+    return found if found is not None else bar
+
+
+# A progress bar with no description ("  5%|███▌   | 5/100 [00:09<02:51, ...]"): the training
+# bar of HF's Trainer and of most loops that wrap their steps in tqdm. A bar that says what it
+# counts ("Loading checkpoint shards: 100%|...| 4/4") is not the run's position. A report that
+# follows such a bar within a few lines, with no loss line nearer, happened at its position.
+_BARE_BAR = re.compile(r"^[ \t]{0,8}\d{1,3}%\|")
+BAR_LINES = 8
 
 
 def _header(text: str, p: LineProgress) -> bool:
