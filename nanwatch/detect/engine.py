@@ -1083,7 +1083,7 @@ class Detector:
             for k, v in progress.bracketed_fields(text).items():
                 attrs.setdefault(k, v)
             # the metric line's own counters and mode, read by its structure (progress.py)
-            line_progress = progress.read(text)
+            line_progress = progress.read(text, at=m.end())
             if line_progress is not None and state.progress_line != line_no:
                 # (a progress rule that read this very line knows its format better)
                 for k in ("epoch", "iter", "step", "rank"):

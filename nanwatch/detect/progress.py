@@ -104,8 +104,9 @@ class LineProgress:
         return self.epoch is not None or self.iter is not None or self.step is not None
 
 
-def read(text: str) -> LineProgress | None:
-    """The progress ``text`` prints, or None when it prints neither a loss nor a counter."""
+def read(text: str, at: int | None = None) -> LineProgress | None:
+    """The progress ``text`` prints, or None when it prints neither a loss nor a counter; with
+    ``at``, the stage is that of the value at that position."""
     text = text[:LINE_MAX]
     losses = [m for m in _LOSS.finditer(text) if "scal" not in (m.group("tail") or "").lower()]
     epoch = it = step = None
@@ -132,7 +133,27 @@ def read(text: str) -> LineProgress | None:
                 break
     if not losses and epoch is None and it is None and step is None:
         return None
+    if at is not None:
+        # a value's own mode: the nearest mode word before it ("train loss 3.9, val loss nan"
+        # is a validation NaN; in "ep=23 tr=[...] loss=nan valid=dev loss=nan" the first NaN
+        # has none before it: a plain loss, the training one)
+        words = [m.group(1) for m in _MODE.finditer(text, 0, at)]
+        losses = [m for m in losses if m.start() <= at] or losses[:1]
+        if words:
+            return _progress(losses, text, {normalize_stage(words[-1])}, epoch, it, step)
+        return _progress(losses, text, set(), epoch, it, step)
     stages = {normalize_stage(w) for w in _MODE.findall(text)}
+    return _progress(losses, text, stages, epoch, it, step)
+
+
+def _progress(
+    losses: list[re.Match[str]],
+    text: str,
+    stages: set[str | None],
+    epoch: int | None,
+    it: int | None,
+    step: int | None,
+) -> LineProgress:
     # a plain loss beside a val_loss is a training step that also reports its validation
     # (Keras' epoch summary); only a line of qualified losses takes its mode from their keys
     plain = any(not _KEY_STAGE.match((m.group("key") or "").lower()) for m in losses)
