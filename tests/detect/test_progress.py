@@ -188,3 +188,32 @@ def test_a_notice_repeated_before_a_step_line_belongs_to_that_step() -> None:
     # other lines in between count: three of them and no step line is too far
     other = b"".join(f"worker {i} waiting\n".encode() for i in range(3))
     assert progress.after(notice + other + step, 0) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "stage"),
+    [
+        ("step 2000: train loss nan, val loss 3.97", "train"),
+        ("step 2000: train loss 3.91, val loss nan", "val"),
+        ("ep=7 tr=['clean_460'] loss=nan err=0.31 valid=dev_other loss=nan err=0.95", "train"),
+        ("1875/1875 - loss: nan - accuracy: 0.10 - val_loss: nan", "train"),
+    ],
+)
+def test_a_nan_takes_the_mode_named_before_its_value(line: str, stage: str) -> None:
+    """A line naming two modes: the NaN event is the first non-finite value's, and its mode is
+    the nearest mode word before it (none: a plain loss, the training one)."""
+    det = Detector(load_rules(), default_year=2026)
+    events, _ = det.feed((line + "\n").encode(), 0, StreamState(), "x.log")
+    assert [(e.kind, e.stage) for e in events] == [("nan", stage)]
+
+
+def test_a_report_after_a_bare_progress_bar_takes_its_position() -> None:
+    """HF's training bar has no description; a loading bar says what it counts."""
+    bare = b"  7%|\xe2\x96\x8b         | 21/300 [00:42<09:20,  2.01s/it]\n"
+    loading = (
+        b"Loading checkpoint shards: 100%|\xe2\x96\x88\xe2\x96\x88| 4/4 [00:03<00:00,  1.2it/s]\n"
+    )
+    report = b"RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    got = progress.before(bare + report, len(bare))
+    assert got is not None and got.iter == 21 and not got.loss
+    assert progress.before(loading + report, len(loading)) is None
