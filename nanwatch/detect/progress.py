@@ -292,8 +292,13 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
             repeats -= 1
             continue
         left -= 1
-        p = read(raw.decode("utf-8", "replace"))
+        text = raw.decode("utf-8", "replace")
+        p = read(text)
         if p is not None and p.loss and p.counted:
+            return p
+        if p is not None and p.iter is not None and _BARE_BAR.match(text):
+            # the bar redrawn right after the report (tqdm refreshes it as the step logs or
+            # the exception leaves its loop): its position is the report's step
             return p
     return None
 

@@ -217,3 +217,12 @@ def test_a_report_after_a_bare_progress_bar_takes_its_position() -> None:
     got = progress.before(bare + report, len(bare))
     assert got is not None and got.iter == 21 and not got.loss
     assert progress.before(loading + report, len(loading)) is None
+
+
+def test_a_report_right_before_a_redrawn_bare_bar_takes_its_position() -> None:
+    """tqdm redraws the bar after the step logs (HF's dict) or the exception leaves the loop."""
+    report = b"{'loss': 0.93, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 0.03}\n\n"
+    bar = b"  2%|\xe2\x96\x8f         | 30/1500 [03:10<2:35:00,  6.33s/it]\n"
+    got = progress.after(report + bar, 0)
+    assert got is not None and got.iter == 30
+    assert progress.after(report + b"Loading shards: 100%|##| 4/4 [00:01<00:00]\n", 0) is None
