@@ -36,7 +36,7 @@ _LOSS = re.compile(
     r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
 )
 _COUNTER = re.compile(
-    r"(?i)(?<![\w\-])(?P<key>epoch|ep|iteration|iter|step|global[ _]step|batch|num_updates)s?"
+    r"(?i)(?<![\w\-])(?P<key>epoch|ep|pass|iteration|iter|step|global[ _]step|batch|num_updates)s?"
     r"(?:/(?:max|total|num)_?\w{0,12})?\b['\"]?\]?"  # a position's key: "global_step/max_steps"
     # a separator after the padding of an aligned table ("epoch    =    5.0") or a tight one
     r"(?:[ \t]{0,40}[:=][ \t]{0,12}|[ \t]{0,3}#?[ \t]{0,3})"
@@ -117,7 +117,7 @@ def read(text: str, at: int | None = None) -> LineProgress | None:
         if of is not None and n > int(of):
             continue  # "3/2" is not a position
         key = m.group("key").lower()
-        if key in ("epoch", "ep"):
+        if key in ("epoch", "ep", "pass"):  # Paddle 1.x: "Pass 34, batch 80, loss ..."
             epoch = n if epoch is None else epoch
         elif key in ("iter", "iteration", "batch"):
             it = n if it is None else it

@@ -226,3 +226,8 @@ def test_a_report_right_before_a_redrawn_bare_bar_takes_its_position() -> None:
     got = progress.after(report + bar, 0)
     assert got is not None and got.iter == 30
     assert progress.after(report + b"Loading shards: 100%|##| 4/4 [00:01<00:00]\n", 0) is None
+
+
+def test_paddles_pass_is_an_epoch() -> None:
+    got = progress.read("Pass 12, batch 340, loss 0.8812, acc1 0.71, time 0.98 sec")
+    assert got is not None and (got.epoch, got.iter, got.loss) == (12, 340, True)
