@@ -596,7 +596,7 @@ class Store:
     ) -> int:
         """Metrics (or plain tuples in Metric's field order, or a chunk packed by ``pack``:
         what detection workers send), in the caller's transaction; returns how many were new
-        (see ``store/metrics.py``)."""
+        (see ``store/metric_writer.py``)."""
         from .metrics import Metrics, Packed
 
         if isinstance(metrics, Packed):

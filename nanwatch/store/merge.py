@@ -13,7 +13,7 @@ fleet database, so `incidents` and `show` answer across nodes.
 - **Idempotent.** A database is named by its ``meta`` uid; the events and metric blocks merged
   from it are remembered (``merge_events``, ``merge_origins.metrics_upto``: block ids only
   grow), so merging the same database again adds only what it gained since (and a block read
-  twice keeps only the iterations the fleet database lacks: ``store/metrics.py``).
+  twice keeps only the iterations the fleet database lacks: ``store/metric_writer.py``).
 - **Incidents are correlated again** by the caller (the correlator reads the merged events as
   if one node had read them all, so an OOM on node A absorbs node B's timeouts), and each
   node's lifecycle carries over: a fleet incident is resolved once every node incident its

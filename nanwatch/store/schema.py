@@ -225,7 +225,7 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     ALTER TABLE incidents ADD COLUMN resolve_note TEXT;
     """,
     # 5: per-iteration metrics as columnar blocks, one row per (source, chunk) with its
-    # iterations packed (nanwatch/store/metrics.py); existing rows are converted, and
+    # iterations packed (nanwatch/store/metric_codec.py); existing rows are converted, and
     # step_stats keeps the slowdown check's rolling statistics per (run, rank).
     rows_to_blocks,
     # 6: full-text search over event messages (`nanwatch events --grep`): an FTS5 index whose

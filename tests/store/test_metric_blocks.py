@@ -22,11 +22,11 @@ from nanwatch.demo.simulate import TrainingRun, mmengine_iter_line
 from nanwatch.events import Metric
 from nanwatch.query import list_incidents
 from nanwatch.store import SCHEMA_VERSION, Store
+from nanwatch.store.metric_blocks import _summary
 from nanwatch.store.metrics import (
     SMALL_BLOCK,
     MetricColumns,
     Metrics,
-    _summary,
     decode,
     encode,
     pack,
