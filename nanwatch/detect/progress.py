@@ -260,6 +260,7 @@ def before(
 # counts ("Loading checkpoint shards: 100%|...| 4/4") is not the run's position. A report that
 # follows such a bar within a few lines, with no loss line nearer, happened at its position.
 _BARE_BAR = re.compile(r"^[ \t]{0,8}\d{1,3}%\|")
+_EPOCH_BAR = re.compile(r"^[ \t]{0,8}Epoch[ \t]{1,3}\d{1,6}:[ \t]{1,8}\d{1,3}%\|")  # Lightning's
 BAR_LINES = 8
 
 
@@ -296,7 +297,7 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         p = read(text)
         if p is not None and p.loss and p.counted:
             return p
-        if p is not None and p.iter is not None and _BARE_BAR.match(text):
+        if p is not None and p.counted and (_BARE_BAR.match(text) or _EPOCH_BAR.match(text)):
             # the bar redrawn right after the report (tqdm refreshes it as the step logs or
             # the exception leaves its loop): its position is the report's step
             return p
