@@ -9,6 +9,7 @@ then event rules, on each candidate line). What it uses, in order along a line:
 
 - ``compiled``: the compiled rule set (prefilter, chunk plans); ``columns``: iteration lines
   read as columns;
+- ``lines``: a line's text (decoding, prefixes and what they carry, hard-wrapped tails);
 - ``context``: what context rules tell the stream state; ``ranks``: who printed a line and
   which rank it is; ``records``: tracebacks and other records a line opens;
 - ``build``: the event a rule's match gives; ``cascade``: overflow notices that become an
@@ -22,7 +23,6 @@ import bisect
 import dataclasses
 import logging
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -32,7 +32,7 @@ from ..events import Event, Metric
 from ..sources.dates import file_bound
 from ..stream import StreamState
 from . import companion, progress, ranks
-from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT, count
+from .bounds import LONG_LINE, MATCH_BUDGET
 from .build import build_event, risen
 from .cascade import cascade, logged_since
 from .columns import ColumnFormat, MetricColumns, Rows, joined
@@ -40,6 +40,7 @@ from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
 from .context import late_stage, progressed, set_state
 from .facts import rule_facts
+from .lines import WRAP_MIN, decode_line, starts_record, strip_prefixes, wrapped_head
 from .records import close_record, ended_inside, in_record, open_record
 from .reports import BLOCK_LINES, Feed, report
 from .rules import Rule, RuleSet
@@ -47,48 +48,8 @@ from .timestamps import TimeParser
 
 log = logging.getLogger("nanwatch.detect")
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-# A line that starts a record of its own, never the wrapped tail of the line before it.
-_NEW_RECORD = re.compile(
-    r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
-    r"During handling|The above exception|Exception raised from|"
-    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: |"  # a CANN error code heads a record of its own
-    # the shell's report that the process ended, in English and in a Chinese locale
-    r"(?:Aborted|Segmentation fault|Killed|Bus error|已放弃|段错误|已杀死)(?![\w])"
-)
-HEAD_SAME = 12  # a line that begins as the line before it did (a logger's or worker's prefix)
-WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
 AHEAD_MAX = 256  # reports per chunk that may look at the lines after them for their step
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
-
-
-def _starts_record(line: str, nxt: str) -> bool:
-    """Does ``nxt`` start a record of its own, or may it be the hard-wrapped tail of ``line``?
-    A line that opens as the one before it did (``(VllmWorker TP1 pid=961) ERROR ...`` twice)
-    is a record of its own: a wrapped tail never repeats its line's head."""
-    return bool(_NEW_RECORD.match(nxt)) or _same_head(line, nxt)
-
-
-def _same_head(line: str, nxt: str) -> bool:
-    """Does ``nxt`` open as ``line`` does (its first HEAD_SAME characters, not all blank)?"""
-    head = line[:HEAD_SAME]
-    return len(head) == HEAD_SAME and not head.isspace() and nxt.startswith(head)
-
-
-def decode_line(raw: bytes) -> str:
-    """Bytes of one line -> clean text: UTF-8 (GBK tried when UTF-8 fails), no ANSI, no CR."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        try:
-            text = raw.decode("gb18030")
-        except UnicodeDecodeError:
-            text = raw.decode("utf-8", errors="replace")
-    if "\x1b" in text:
-        text = _ANSI.sub("", text)
-    if "\x00" in text:
-        text = text.replace("\x00", "")
-    return text.rstrip("\r\n")
 
 
 class Detector:
@@ -388,17 +349,9 @@ class Detector:
 
     def _wrapped_from(self, chunk: bytes, start: int, line: str) -> dict[str, Any]:
         """The prefix attributes of the line before ``start`` when ``line`` (which has no
-        prefix) is its hard-wrapped tail: a terminal cut a long ``[rank6]:`` line, and the
-        detection's literal is on the tail."""
-        if _NEW_RECORD.match(line):
-            return {}  # the usual line: a record of its own (a log head, a bracket, a time)
-        lo = chunk.rfind(b"\n", 0, start - 1) + 1
-        if start - 1 - lo < WRAP_MIN:
-            return {}
-        prev = decode_line(chunk[lo : start - 1])
-        if len(prev) < WRAP_MIN or _same_head(prev, line):  # (not a record of its own: above)
-            return {}
-        return self._strip_prefixes(prev)[1]
+        prefix) is its hard-wrapped tail (``lines.wrapped_head``)."""
+        prev = wrapped_head(chunk, start, line)
+        return {} if prev is None else self._strip_prefixes(prev)[1]
 
     def prefix_attrs(self, line: str) -> dict[str, Any]:
         """The attributes (rank, node...) the prefixes of ``line`` carry."""
@@ -407,30 +360,8 @@ class Detector:
     def _strip_prefixes(
         self, text: str, trace: set[str] | None = None
     ) -> tuple[str, dict[str, Any]]:
-        attrs: dict[str, Any] = {}
-        quick = self._c.any_prefix_text
-        if quick is not None and quick.match(text, 0, PREFIX_LIMIT) is None:
-            return text, attrs  # the usual line: no prefix (one match instead of one each)
-        for _ in range(4):
-            for p in self.rules.prefixes:
-                m = p.cre.match(text, 0, PREFIX_LIMIT)
-                if m and m.end() > 0:
-                    for k, v in m.groupdict().items():
-                        if v is None or k.startswith("_"):
-                            continue
-                        if k in ("rank", "local_rank"):
-                            n = count(v)
-                            if n is not None:
-                                attrs.setdefault(k, n)
-                        elif k in ("node", "device", "pid", "worker"):
-                            attrs.setdefault(k, v)
-                    text = text[m.end() :]
-                    if trace is not None:
-                        trace.add(p.id)
-                    break
-            else:
-                break
-        return text, attrs
+        """``text`` without its prefixes, and what they carry (``lines.strip_prefixes``)."""
+        return strip_prefixes(text, self.rules.prefixes, self._c.any_prefix_text, trace)
 
     def _record(self, raw: bytes, state: StreamState, line_no: int, start: int, f: Feed) -> None:
         """A companion record (see ``companion.py``)."""
@@ -712,7 +643,7 @@ class Detector:
         wrap = WRAP_MIN <= len(text) < rule.max_chars
         if wrap and (m is None or m.end() >= len(text) - 40):
             more = self._following(chunk, end, 1)
-            if more and not _starts_record(text, more[0][0]):
+            if more and not starts_record(text, more[0][0]):
                 joined = text + more[0][0]
                 m2 = self._search(rule, joined)
                 if (
