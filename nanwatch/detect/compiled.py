@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .columns import ColumnFormat
 
 _NAMED = re.compile(r"\(\?P<\w+>")
-# stream state a context rule may set, in the order ``_set_state`` applies them
+# stream state a context rule may set, in the order ``context.set_state`` applies them
 STATE_KEYS = ("stage", "epoch", "iter", "iters", "step", "rank", "local_rank", "node", "device")
 STATE_INTS = frozenset(("epoch", "iter", "iters", "step", "rank", "local_rank"))
 
@@ -365,7 +365,7 @@ def metric_values(
 
 
 def chunk_state(plan: ChunkPlan, g: tuple[bytes | None, ...], state: StreamState) -> None:
-    """``_set_state`` (not a hint) for a chunk rule's match, limited to the keys it has."""
+    """``context.set_state`` (not a hint) for a chunk rule's match, limited to the keys it has."""
     step_given = False
     for key, const, at in plan.keys:
         v: Any = const

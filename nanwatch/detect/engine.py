@@ -4,8 +4,17 @@ The hot path works on whole chunks of bytes: chunk rules (iteration lines that o
 step) run with one ``finditer`` over the chunk, and one literal prefilter finds the few other
 lines worth a closer look. Lines that match neither cost nothing but a newline count.
 
-The compiled rule set (prefilter, chunk plans) is in ``compiled``; detections of one failure
-report (a traceback, an HCCL error block) become one event in ``reports``.
+The ``Detector`` feeds chunks, strips line prefixes and runs the line engine (context rules,
+then event rules, on each candidate line). What it uses, in order along a line:
+
+- ``compiled``: the compiled rule set (prefilter, chunk plans); ``columns``: iteration lines
+  read as columns;
+- ``lines``: a line's text (decoding, prefixes and what they carry, hard-wrapped tails);
+- ``context``: what context rules tell the stream state; ``ranks``: who printed a line and
+  which rank it is; ``records``: tracebacks and other records a line opens;
+- ``build``: the event a rule's match gives; ``cascade``: overflow notices that become an
+  incident; ``reports``: detections of one failure report (a traceback, an HCCL error block)
+  as one event.
 """
 
 from __future__ import annotations
@@ -14,94 +23,33 @@ import bisect
 import dataclasses
 import logging
 import os
-import re
-import signal as _signal
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..events import DEVICES, Event, Metric
+from ..events import Event, Metric
 from ..sources.dates import file_bound
-from ..stream import LAUNCH_KEYS, StreamState
-from . import companion, progress
-from .bounds import LONG_LINE, MATCH_BUDGET, PREFIX_LIMIT, count
+from ..stream import StreamState
+from . import companion, progress, ranks
+from .bounds import LONG_LINE, MATCH_BUDGET
+from .build import build_event, risen
+from .cascade import cascade, logged_since
 from .columns import ColumnFormat, MetricColumns, Rows, joined
 from .columns import apply as apply_rows
 from .compiled import ChunkPlan, Compiled, chunk_state, metric_values
+from .context import late_stage, progressed, set_state
 from .facts import rule_facts
+from .lines import WRAP_MIN, decode_line, starts_record, strip_prefixes, wrapped_head
+from .records import close_record, ended_inside, in_record, open_record
 from .reports import BLOCK_LINES, Feed, report
-from .rules import FIELD_TYPES, Rule, RuleSet, convert, normalize_stage
+from .rules import Rule, RuleSet
 from .timestamps import TimeParser
 
 log = logging.getLogger("nanwatch.detect")
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-# A line that starts a record of its own, never the wrapped tail of the line before it.
-_NEW_RECORD = re.compile(
-    r"\s*$|\[|\(\w+ pid=|\d{4}-\d\d|\d\d[:/]\d\d|[IWEF]\d{3,4} |Traceback|\s+File \"|frame #|"
-    r"During handling|The above exception|Exception raised from|"
-    r"(?:[A-Z][A-Za-z_]+\()?E[A-Z0-9]\d{4}\)?: |"  # a CANN error code heads a record of its own
-    # the shell's report that the process ended, in English and in a Chinese locale
-    r"(?:Aborted|Segmentation fault|Killed|Bus error|已放弃|段错误|已杀死)(?![\w])"
-)
-HEAD_SAME = 12  # a line that begins as the line before it did (a logger's or worker's prefix)
-
-
-def _starts_record(line: str, nxt: str) -> bool:
-    """Does ``nxt`` start a record of its own, or may it be the hard-wrapped tail of ``line``?
-    A line that opens as the one before it did (``(VllmWorker TP1 pid=961) ERROR ...`` twice)
-    is a record of its own: a wrapped tail never repeats its line's head."""
-    return bool(_NEW_RECORD.match(nxt)) or _same_head(line, nxt)
-
-
-def _same_head(line: str, nxt: str) -> bool:
-    """Does ``nxt`` open as ``line`` does (its first HEAD_SAME characters, not all blank)?"""
-    head = line[:HEAD_SAME]
-    return len(head) == HEAD_SAME and not head.isspace() and nxt.startswith(head)
-
-
-# the process that printed a CANN / torch_npu report: "EI0002: [PID: 3305] ...", "[ERROR]
-# 2026-... (PID:3305, Device:5, RankID:-1) ERR00100 ..." (reports of two processes are two reports)
-_REPORTER_PID = re.compile(r"(?:\[PID: ?|\(PID: ?)(\d{1,10})[\],]")
-MESSAGE_MAX = 2000
-_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\b")  # a tqdm bar's signs
-_FRAME = re.compile(  # a traceback's frame line: its file's name, line and function
-    r'File "(?:[^"\n]{0,500}/)?(?P<file>[^"/\n]{1,200})", '
-    r"line (?P<line>\d{1,7}), in (?P<func>\S{1,200})"
-)
-HINT_WINDOW = 400  # lines a traceback stage hint stays valid
-RANK_HINT_WINDOW = 40  # lines a rank named by an error line (RankID:8) stays valid
-RECORD_LINES = 500  # lines a record (a traceback: header, frames, final line) stays open
-FRAME_MAX = 300  # characters of a traceback's innermost frame kept while it is open
-CUT_KEY = "cut"  # the event key of a traceback the text ends inside
-WRAP_MIN = 79  # a line at least this long may have been hard-wrapped by a terminal
-_INT_ATTRS = ("rank", "local_rank", "epoch", "iter", "step")
-_DEVICE_ALIASES = {"gpu": "cuda", "hip": "cuda", "ascend": "npu"}
 AHEAD_MAX = 256  # reports per chunk that may look at the lines after them for their step
 MEMORY_PRIORITY = 0  # a companion memory summary never outranks a rule's detection (all > 0)
-
-
-def decode_line(raw: bytes) -> str:
-    """Bytes of one line -> clean text: UTF-8 (GBK tried when UTF-8 fails), no ANSI, no CR."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        try:
-            text = raw.decode("gb18030")
-        except UnicodeDecodeError:
-            text = raw.decode("utf-8", errors="replace")
-    if "\x1b" in text:
-        text = _ANSI.sub("", text)
-    if "\x00" in text:
-        text = text.replace("\x00", "")
-    return text.rstrip("\r\n")
-
-
-def _device(value: Any) -> str | None:
-    v = str(value).strip().lower()
-    v = _DEVICE_ALIASES.get(v, v)
-    return v if v in DEVICES else None
 
 
 class Detector:
@@ -142,45 +90,8 @@ class Detector:
 
     def ended(self, state: StreamState, file: str | None = None) -> list[Event]:
         """What the end of a stream's text says (a scan read it to its end): a traceback it
-        ends inside, whose final line never came (the process died while printing it, or the
-        log was cut), is a failure of the process that printed it, at its innermost frame.
-
-        A progress line after a traceback closes it (the run went on); a traceback record
-        opened more than ``RECORD_LINES`` before the end is over too."""
-        out = []
-        for key, rec in sorted((state.records or {}).items()):
-            if rec[0] != "traceback" or len(rec) < 5:
-                continue
-            if (state.line_no or 0) - rec[1] > RECORD_LINES:
-                continue
-            _, line, offset, frame, last = rec[:5]
-            pending = state.hint_stage and last - state.hint_line <= HINT_WINDOW
-            stage = state.hint_stage if pending else state.stage
-            m = _FRAME.search(frame) if frame else None
-            where = f"{m['func']} ({m['file']}:{m['line']})" if m else frame
-            frame_text = f" (innermost frame: {where})" if where else ""
-            rank = int(key) if key != "?" else state.rank
-            out.append(
-                Event(
-                    kind="process_failure",
-                    message=f"Traceback without its final line: the log ends inside it{frame_text}",
-                    offset=int(offset),
-                    key=CUT_KEY,
-                    time=state.last_time,
-                    file=file,
-                    line=int(line),
-                    rank=rank,
-                    local_rank=state.local_rank,
-                    node=state.node,
-                    epoch=state.epoch,
-                    iter=state.iter,
-                    step=state.step,
-                    stage=stage,
-                    device=state.device,
-                    fields={"rule": "generic.traceback_cut"},
-                )
-            )
-        return out
+        ends inside is a failure of the process that printed it (``records.py``)."""
+        return ended_inside(state, file)
 
     def feed(
         self,
@@ -438,17 +349,9 @@ class Detector:
 
     def _wrapped_from(self, chunk: bytes, start: int, line: str) -> dict[str, Any]:
         """The prefix attributes of the line before ``start`` when ``line`` (which has no
-        prefix) is its hard-wrapped tail: a terminal cut a long ``[rank6]:`` line, and the
-        detection's literal is on the tail."""
-        if _NEW_RECORD.match(line):
-            return {}  # the usual line: a record of its own (a log head, a bracket, a time)
-        lo = chunk.rfind(b"\n", 0, start - 1) + 1
-        if start - 1 - lo < WRAP_MIN:
-            return {}
-        prev = decode_line(chunk[lo : start - 1])
-        if len(prev) < WRAP_MIN or _same_head(prev, line):  # (not a record of its own: above)
-            return {}
-        return self._strip_prefixes(prev)[1]
+        prefix) is its hard-wrapped tail (``lines.wrapped_head``)."""
+        prev = wrapped_head(chunk, start, line)
+        return {} if prev is None else self._strip_prefixes(prev)[1]
 
     def prefix_attrs(self, line: str) -> dict[str, Any]:
         """The attributes (rank, node...) the prefixes of ``line`` carry."""
@@ -457,30 +360,8 @@ class Detector:
     def _strip_prefixes(
         self, text: str, trace: set[str] | None = None
     ) -> tuple[str, dict[str, Any]]:
-        attrs: dict[str, Any] = {}
-        quick = self._c.any_prefix_text
-        if quick is not None and quick.match(text, 0, PREFIX_LIMIT) is None:
-            return text, attrs  # the usual line: no prefix (one match instead of one each)
-        for _ in range(4):
-            for p in self.rules.prefixes:
-                m = p.cre.match(text, 0, PREFIX_LIMIT)
-                if m and m.end() > 0:
-                    for k, v in m.groupdict().items():
-                        if v is None or k.startswith("_"):
-                            continue
-                        if k in ("rank", "local_rank"):
-                            n = count(v)
-                            if n is not None:
-                                attrs.setdefault(k, n)
-                        elif k in ("node", "device", "pid", "worker"):
-                            attrs.setdefault(k, v)
-                    text = text[m.end() :]
-                    if trace is not None:
-                        trace.add(p.id)
-                    break
-            else:
-                break
-        return text, attrs
+        """``text`` without its prefixes, and what they carry (``lines.strip_prefixes``)."""
+        return strip_prefixes(text, self.rules.prefixes, self._c.any_prefix_text, trace)
 
     def _record(self, raw: bytes, state: StreamState, line_no: int, start: int, f: Feed) -> None:
         """A companion record (see ``companion.py``)."""
@@ -499,7 +380,7 @@ class Detector:
             state.device = state.device or companion.device_type(told)
             rank = told.get("rank")
             if isinstance(rank, int) and "rank" not in prefix_attrs:
-                self._announced(state, rank)
+                ranks.announced(state, rank)
             return
         if kind == "STAGE":
             state.stage = companion.stage_after(data, state.stage)
@@ -527,19 +408,6 @@ class Detector:
                 # the summary adds what held the memory
                 report(ev, MEMORY_PRIORITY, state, line_no, f)
 
-    @staticmethod
-    def _announced(state: StreamState, rank: int) -> None:
-        """A process announced its rank in this stream: the stream is that rank's, unless
-        another rank announces itself in it too (stdout and stderr of several ranks)."""
-        if state.announced is None:
-            state.announced = rank
-            if state.rank is None:
-                state.rank = rank
-        elif state.announced not in (rank, -1):
-            if state.rank == state.announced:
-                state.rank = None
-            state.announced = -1
-
     def _following(self, chunk: bytes, end: int, n: int) -> list[tuple[str, int]]:
         """Up to ``n`` lines after the one ending at ``end``: (text without prefixes, end)."""
         out: list[tuple[str, int]] = []
@@ -557,102 +425,6 @@ class Detector:
             out.append((text, nxt))
             pos = nxt
         return out
-
-    def _set_state(
-        self,
-        state: StreamState,
-        values: Mapping[str, Any],
-        line_no: int,
-        hint: bool,
-        weak: bool = False,
-    ) -> None:
-        stage = values.get("stage")
-        if stage is not None:
-            stage = normalize_stage(str(stage))
-        if hint:
-            pending = state.hint_stage and line_no - state.hint_line <= HINT_WINDOW
-            if stage and not (weak and pending and not state.hint_weak):
-                state.hint_stage = stage
-                state.hint_line = line_no
-                state.hint_weak = weak
-            rank = values.get("rank")
-            n = count(rank)
-            if n is not None:
-                # a report head that says its rank is unknown ("RankID:-1") ends the rank an
-                # earlier record lent: that rank is a neighbour's, not this record's
-                state.hint_rank = n if n >= 0 else None
-                state.hint_rank_line = line_no
-                state.hint_rank_once = False
-            local = count(values.get("local_rank"))
-            if local is not None:
-                state.hint_local_rank = local
-                state.hint_rank_line = line_no
-            return
-        if stage:
-            if stage != state.stage:
-                state.hint_stage = None
-            state.stage = stage
-        for key in ("epoch", "iter", "iters", "step", "rank", "local_rank"):
-            v = values.get(key)
-            if v is not None and v != "":
-                n = count(v)
-                if n is None:
-                    continue
-                if n >= 0 or key not in ("rank", "local_rank"):
-                    setattr(state, key, n)
-        for key in ("node", "device"):
-            v = values.get(key)
-            if v:
-                setattr(state, key, str(v))
-        if not LAUNCH_KEYS.isdisjoint(values):  # a launch fact (parsers/launch.toml)
-            launch = {k: str(v) for k, v in values.items() if k in LAUNCH_KEYS and v}
-            if launch:
-                state.launch = {**(state.launch or {}), **launch}
-        state.follow_step(values.get("step") is not None)
-
-    @staticmethod
-    def _progress(state: StreamState, line_no: int) -> None:
-        """An iteration line: earlier failure reports and traceback hints are over."""
-        state.progress_line = line_no
-        state.hint_stage = None
-        state.stage_rank = None
-        state.hint_rank = None
-        state.hint_local_rank = None
-        if state.blocks:
-            state.blocks = {}
-        state.records = None
-
-    @staticmethod
-    def _open_record(
-        state: StreamState, name: str, rank: Any, line_no: int, offset: int, text: str
-    ) -> None:
-        """A record's head (or a frame line where no head was read) opens it: [name, line,
-        offset, innermost frame, its line]; a frame line inside an open record is its
-        innermost so far."""
-        key = "?" if rank is None else str(rank)
-        old = (state.records or {}).get(key)
-        if name.endswith("?"):  # only where no record is open
-            if old is not None and line_no - old[1] <= RECORD_LINES:
-                if len(old) > 3:
-                    frame = text.strip()[:FRAME_MAX]
-                    state.records = {**(state.records or {}), key: [*old[:3], frame, line_no]}
-                return
-            name = name[:-1]
-        if old is not None and old[0] != name and line_no - old[1] <= 1:
-            return  # the line before named this record ("Exception ignored in:")
-        frame = text.strip()[:FRAME_MAX] if name == "traceback" and text[:1].isspace() else ""
-        state.records = {**(state.records or {}), key: [name, line_no, offset, frame, line_no]}
-
-    @staticmethod
-    def _in_record(state: StreamState, name: str, rank: Any, line_no: int) -> bool:
-        rec = (state.records or {}).get("?" if rank is None else str(rank))
-        return rec is not None and rec[0] == name and line_no - rec[1] <= RECORD_LINES
-
-    @staticmethod
-    def _close_record(state: StreamState, rank: Any) -> None:
-        key = "?" if rank is None else str(rank)
-        if state.records and key in state.records:
-            state.records = {k: v for k, v in state.records.items() if k != key} or None
 
     def _apply_chunk_rule(
         self,
@@ -673,11 +445,11 @@ class Detector:
                 k: v.decode("utf-8", "replace") for k, v in m.groupdict().items() if v is not None
             }
             values.update(rule.set)
-            self._set_state(state, values, line_no, True, rule.entry)
+            set_state(state, values, line_no, True, rule.entry)
         else:
             chunk_state(plan, g, state)
         if rule.progress:
-            self._progress(state, line_no)
+            progressed(state, line_no)
         raw_ts = g[plan.ts] if plan.ts >= 0 else None
         if raw_ts is not None:
             ts = raw_ts.decode("utf-8", "replace")
@@ -780,12 +552,12 @@ class Detector:
             g = m.groupdict()
             values: dict[str, Any] = {k: v for k, v in g.items() if v is not None}
             values.update(rule.set)
-            if rule.hint and "rank" in values and _same_process(state, ctx_text, line_no):
+            if rule.hint and "rank" in values and ranks.same_process(state, ctx_text, line_no):
                 # one process, one rank: the process named its rank ("RankID:101") in its
                 # report's head; another rank in its later lines is a group's or a peer's
                 # ("group information: [..., rankSize[32], rankId[25 24]]")
                 del values["rank"]
-            self._set_state(state, values, line_no, rule.hint, rule.entry)
+            set_state(state, values, line_no, rule.hint, rule.entry)
             if values.get("stage") is not None:
                 if rule.hint:
                     if state.hint_line == line_no:
@@ -794,20 +566,20 @@ class Detector:
                     state.stage_rank = None if rule.progress else prefix_attrs.get("rank")
             if rule.hint:
                 if values.get("rank") is not None:
-                    state.hint_rank_pid = _reporter_pid(ctx_text)
-                self._record_rank(state, values, prefix_attrs, line_no)
+                    state.hint_rank_pid = ranks.reporter_pid(ctx_text)
+                ranks.record_rank(state, values, prefix_attrs, line_no)
                 if text[:1].isspace() and "rank" not in prefix_attrs:
-                    self._late_rank(values.get("rank"), line_no, f, state)
+                    ranks.late_rank(values.get("rank"), line_no, f, state)
             if rule.opens is not None:
-                self._open_record(
+                open_record(
                     state, rule.opens, prefix_attrs.get("rank"), line_no, f.base + start, text
                 )
             if rule.progress:
-                self._progress(state, line_no)
+                progressed(state, line_no)
             elif rule.hint and state.hint_stage and state.hint_line == line_no:
                 # every rank runs the entry script: its frame speaks for all of them
                 rank = None if rule.entry else prefix_attrs.get("rank")
-                self._late_stage(state.hint_stage, rank, line_no, f, rule.entry)
+                late_stage(state.hint_stage, rank, line_no, f, rule.entry)
             if g.get("ts"):
                 when = self.times.parse(g["ts"])
                 if when:
@@ -823,51 +595,36 @@ class Detector:
             if not any(lit in text for lit in rule.literals):
                 continue
             rank = prefix_attrs.get("rank")
-            if rule.within is not None and not self._in_record(state, rule.within, rank, line_no):
+            if rule.within is not None and not in_record(state, rule.within, rank, line_no):
                 continue
             found = self._match(rule, text, end, f.chunk)
             if found is None:
                 continue
             m, ms, matched, used_end = found
-            ev = self._event(rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start)
+            ev = build_event(
+                self.times, rule, m, ms, matched, raw, prefix_attrs, state, line_no, f, start
+            )
             if rule.rising is not None:
-                risen = self._risen(rule.id, rule.rising, m, ev, state)
-                if risen is None:
+                grown = risen(rule.id, rule.rising, m, ev, state)
+                if grown is None:
                     continue  # the counter did not grow: this line reports nothing new
-                ev = risen
+                ev = grown
             if f.trace is not None:
                 f.trace.add(rule.id)
             if ev.kind == "overflow" and ev.fields.get("incident") is False:
-                cascade = _cascade(ev, state, line_no, _logged_since(ev, state, f, start))
-                if cascade is not None:
-                    f.events.append(cascade)  # its own event: the quiet notices fold together
+                incident = cascade(ev, state, line_no, logged_since(ev, state, f, start))
+                if incident is not None:
+                    f.events.append(incident)  # its own event: the quiet notices fold together
             if rule.alone:
                 f.events.append(ev)
             else:
                 report(ev, c.strength[rule.id], state, line_no, f, generic=rule.tier == "generic")
             if state.records and (rule.within is not None or not text[:1].isspace()):
                 # a traceback's final line was read (by this rule or a more specific one)
-                self._close_record(state, rank)
+                close_record(state, rank)
             if used_end > end:
                 f.skip_to = used_end
             return
-
-    @staticmethod
-    def _risen(rule_id: str, group: str, m: Any, ev: Event, state: StreamState) -> Event | None:
-        """``ev`` with the counter's increase, when the counter ``group`` is above the last value
-        this stream printed for the event's rank (the first value counts from 0); else None."""
-        try:
-            value = int(str(m.group(group)).replace(",", ""))
-        except (TypeError, ValueError):
-            return None
-        key = f"{rule_id}:{'?' if ev.rank is None else ev.rank}"
-        known = state.counters or {}
-        last = known.get(key, 0)
-        if value != known.get(key) and (key in known or len(known) < 4096):
-            state.counters = {**known, key: value}  # a restarted run counts from 0 again
-        if value <= last:
-            return None
-        return dataclasses.replace(ev, fields={**ev.fields, f"new_{group}": value - last})
 
     def _match(
         self, rule: Rule, text: str, end: int, chunk: bytes
@@ -886,7 +643,7 @@ class Detector:
         wrap = WRAP_MIN <= len(text) < rule.max_chars
         if wrap and (m is None or m.end() >= len(text) - 40):
             more = self._following(chunk, end, 1)
-            if more and not _starts_record(text, more[0][0]):
+            if more and not starts_record(text, more[0][0]):
                 joined = text + more[0][0]
                 m2 = self._search(rule, joined)
                 if (
@@ -945,376 +702,3 @@ class Detector:
                 size,
                 self._cap,
             )
-
-    @staticmethod
-    def _record_rank(
-        state: StreamState, values: Mapping[str, Any], prefix_attrs: Mapping[str, Any], line_no: int
-    ) -> None:
-        """A hint line (a traceback's header or frame) whose prefix names a rank lends it to
-        the next unprefixed event of its record; a rank a process's line names is that
-        process's (its other lines carry only its pid)."""
-        prefix_rank = prefix_attrs.get("rank")
-        if prefix_rank is not None and values.get("rank") is None:
-            state.hint_rank = prefix_rank
-            state.hint_rank_line = line_no
-            state.hint_rank_once = True
-        pid = prefix_attrs.get("pid")
-        if pid is not None and prefix_rank is None and values.get("rank") is not None:
-            rank = count(values["rank"])
-            if rank is None or rank < 0:
-                return  # "RankID:-1": the process does not know its rank
-            known = state.pid_ranks or {}
-            if known.get(pid) != rank and len(known) < 4096:
-                state.pid_ranks = {**known, pid: rank}
-
-    @staticmethod
-    def _late_rank(value: Any, line_no: int, f: Feed, state: StreamState) -> None:
-        """An indented line of a report (a CANN block's continuation) that names the reporting
-        rank after the report's first line: the open report without a rank is that rank's."""
-        rank = count(value)
-        if rank is None:
-            return
-        idx = f.opened.get("?")
-        block = state.blocks.get("?")
-        if rank < 0 or idx is None or block is None or str(rank) in state.blocks:
-            return
-        ev = f.events[idx]
-        if ev.rank is not None or line_no - (ev.line or 0) > BLOCK_LINES:
-            return
-        f.events[idx] = dataclasses.replace(ev, rank=rank)
-        state.blocks = {k: v for k, v in state.blocks.items() if k != "?"}
-        state.blocks[str(rank)] = block
-        del f.opened["?"]
-        f.opened[str(rank)] = idx
-
-    def _late_stage(self, stage: str, rank: Any, line_no: int, f: Feed, weak: bool) -> None:
-        """Frames printed after the report's first line (IPython, a traceback that follows
-        another rank's error line): they name its stage too; a loop frame replaces what the
-        entry script said."""
-        for idx in f.opened.values():
-            ev = f.events[idx]
-            open_to = ev.stage is None or (idx in f.weak_stage and not weak)
-            near = open_to and line_no - (ev.line or 0) <= BLOCK_LINES
-            if near and (rank is None or ev.rank is None or ev.rank == rank):
-                f.events[idx] = dataclasses.replace(ev, stage=stage)
-                if weak:
-                    f.weak_stage.add(idx)
-                else:
-                    f.weak_stage.discard(idx)
-
-    def _event(
-        self,
-        rule: Rule,
-        m: Any,
-        ms: list[Any],
-        text: str,
-        raw: str,
-        prefix_attrs: Mapping[str, Any],
-        state: StreamState,
-        line_no: int,
-        f: Feed,
-        start: int,
-    ) -> Event:
-        g = {k: v for k, v in m.groupdict().items() if v is not None}
-        attrs: dict[str, Any] = {}
-        fields: dict[str, Any] = dict(rule.const)
-        for k, v in [*rule.set.items(), *g.items()]:
-            if k.startswith("_") or k in ("ts", "iters"):
-                continue
-            if k in _INT_ATTRS:
-                n = count(v)
-                if n is None:
-                    continue
-                if n < 0 and k in ("rank", "local_rank"):
-                    continue  # "RankID:-1": not known to the process that printed it
-                attrs[k] = n
-            elif k == "stage":
-                st = normalize_stage(str(v))
-                if st:
-                    attrs[k] = st
-            elif k == "device":
-                dev = _device(v)
-                if dev:
-                    attrs[k] = dev
-            elif k == "node":
-                attrs[k] = str(v)
-            else:
-                typ = rule.types.get(k) or FIELD_TYPES.get(k, "str")
-                fields[k] = convert(v, typ) if isinstance(v, str) else v
-        if isinstance(fields.get("backend"), str):
-            fields["backend"] = fields["backend"].lower()
-        code = fields.get("exit_code")
-        if isinstance(code, int) and code < 0 and "signal" not in fields:
-            try:
-                fields["signal"] = _signal.Signals(-code).name
-            except ValueError:
-                pass
-        if "reporter_pid" not in fields:
-            pid = _reporter_pid(text)
-            if pid is not None:
-                fields["reporter_pid"] = pid
-        # the actor that printed the line (a Ray prefix): its processes are not one report
-        if "worker" in prefix_attrs:
-            fields.setdefault("worker", prefix_attrs["worker"])
-        if "pid" in prefix_attrs:
-            fields.setdefault("worker_pid", convert(str(prefix_attrs["pid"]), "int"))
-        if rule.all_matches and len(ms) > 1:
-            for k in list(fields):
-                vals = []
-                for mm in ms:
-                    val = mm.groupdict().get(k)
-                    if val is not None and val not in vals:
-                        vals.append(val)
-                if len(vals) > 1:
-                    fields[k + "s"] = vals
-        when: str | None = None
-        ts = g.get("ts")
-        if ts:
-            when = self.times.parse(ts)
-        if when is None:
-            when = self.times.parse(text) or (self.times.parse(raw) if raw != text else None)
-        if when is not None:
-            state.last_time = when
-        elif state.last_time:
-            # tracebacks rarely carry a time: remember the stream's last one for correlation
-            fields["stream_time"] = state.last_time
-        line_progress = None
-        if rule.kind == "nan":
-            for k, v in progress.bracketed_fields(text).items():
-                attrs.setdefault(k, v)
-            # the metric line's own counters and mode, read by its structure (progress.py)
-            line_progress = progress.read(text, at=m.end())
-            if line_progress is not None and state.progress_line != line_no:
-                # (a progress rule that read this very line knows its format better)
-                for k in ("epoch", "iter", "step", "rank"):
-                    v = getattr(line_progress, k)
-                    if v is not None:
-                        attrs.setdefault(k, v)
-        elif m.start() > 0 and _BAR.search(text, 0, m.start()):
-            # a report glued to the progress bar it interrupted (tqdm prints no newline): the
-            # bar's position is where the run was
-            glued = progress.read(text[: m.start()])
-            if glued is not None:
-                for k in ("epoch", "iter", "step"):
-                    v = getattr(glued, k)
-                    if v is not None:
-                        attrs.setdefault(k, v)
-        stage = attrs.get("stage")
-        own_rank = prefix_attrs.get("rank", attrs.get("rank"))
-        if (
-            stage is None
-            and state.hint_stage
-            and line_no - state.hint_line <= HINT_WINDOW
-            and not _other_rank(state.hint_stage_rank, own_rank)
-        ):
-            # the entry script says less than where the stream is now (a marker, a progress line)
-            if not (state.hint_weak and state.stage):
-                stage = state.hint_stage
-            state.hint_stage = None
-        if stage is None and not _other_rank(state.stage_rank, own_rank):
-            stage = state.stage
-        if stage is None:
-            stage = progress.line_stage(text, line_progress, nonfinite=rule.kind == "nan")
-        uncounted = (
-            state.epoch is None
-            and state.iter is None
-            and state.step is None
-            and not {"epoch", "iter", "step"} & attrs.keys()
-        )
-        # the stream knows its epoch but not where in it the run was ("| epoch 027 |" read by
-        # a rule, the iteration on a line no rule knows)
-        partly = (
-            not uncounted
-            and state.iter is None
-            and state.step is None
-            and not {"iter", "step"} & attrs.keys()
-        )
-        if uncounted or partly or stage is None:
-            # a report with no counters (or no mode) of its own, in a stream no progress rule
-            # knew: the last logged step before it says where the run was, and in which mode
-            floor, last = f.looked if f.looked is not None and f.looked[0] <= start else (0, None)
-            nearer = progress.before(f.chunk, start, floor=floor)
-            last = nearer or last
-            f.looked = (start, last)
-            if last is not None:
-                if uncounted:
-                    for k in ("epoch", "iter", "step"):
-                        v = getattr(last, k)
-                        if v is not None:
-                            attrs[k] = v
-                elif partly and last.epoch in (None, attrs.get("epoch", state.epoch)):
-                    for k in ("iter", "step"):
-                        v = getattr(last, k)
-                        if v is not None:
-                            attrs[k] = v
-                if stage is None:
-                    stage = last.stage
-        rank = prefix_attrs.get("rank", attrs.get("rank"))
-        if rank is not None and state.hint_rank_once and state.hint_rank == rank:
-            state.hint_rank = None  # the record that lent its rank ended on its own line
-        near = line_no - state.hint_rank_line <= RANK_HINT_WINDOW
-        own_local = prefix_attrs.get("local_rank", attrs.get("local_rank"))
-        lender = state.hint_rank_pid
-        if rank is None and state.hint_rank is not None:
-            # a line that names its own (local) rank is about that process, not a neighbour's;
-            # either way the record that lent its rank has ended; a report another process
-            # printed (another PID) is not the lender's
-            if own_local is None and not _other_rank(lender, fields.get("reporter_pid")):
-                rank = state.hint_rank if near else None
-            if state.hint_rank_once or own_local is not None:
-                state.hint_rank = None
-        if rank is None:
-            rank = state.rank
-        local_rank = prefix_attrs.get("local_rank", attrs.get("local_rank"))
-        if local_rank is None and state.hint_local_rank is not None and near:
-            local_rank = state.hint_local_rank
-        if local_rank is None:
-            local_rank = state.local_rank
-        if rank is None and local_rank is not None:
-            # a Ray actor's local rank is on one node of a cluster: never a rank by itself
-            rank = _global_rank(state.launch, local_rank, "worker" not in prefix_attrs)
-        message = text.strip()
-        if rule.message:
-            try:
-                # the text as printed ("2.00 GiB", "NCCL") reads better than the typed value
-                message = rule.message.format_map(_Missing({**fields, **g}))
-            except (KeyError, IndexError, ValueError, AttributeError):
-                message = text.strip()
-        if len(message) > MESSAGE_MAX:
-            message = message[:MESSAGE_MAX] + "…"
-        device = attrs.get("device") or _device(prefix_attrs.get("device") or "") or state.device
-        return Event(
-            kind=str(rule.kind),
-            message=message,
-            offset=f.base + start,
-            time=when,
-            file=f.file,
-            line=line_no,
-            rank=rank,
-            local_rank=local_rank,
-            node=attrs.get("node", prefix_attrs.get("node", state.node)),
-            epoch=attrs.get("epoch", state.epoch),
-            iter=attrs.get("iter", state.iter),
-            step=attrs.get("step", state.step),
-            stage=stage,
-            device=device,
-            fields={"rule": rule.id, **fields},
-        )
-
-
-def _logged_since(ev: Event, state: StreamState, f: Feed, start: int) -> bool:
-    """Did a line that prints a loss come between the rank's last overflow notice and this one
-    (in this chunk)? Then the run logged a step in between, whatever format no progress rule
-    knows (fairseq's "| epoch 093 | loss 3.509 | ..." summary)."""
-    run = (state.overflow_runs or {}).get("?" if ev.rank is None else str(ev.rank))
-    if run is None or len(run) < 6 or not f.base <= run[5] < f.base + start:
-        return False
-    floor = f.chunk.find(b"\n", run[5] - f.base) + 1
-    if floor <= 0 or floor >= start:
-        return False
-    logged = progress.before(f.chunk, start, floor=floor)
-    return logged is not None and logged.loss
-
-
-def _cascade(ev: Event, state: StreamState, line_no: int, logged: bool = False) -> Event | None:
-    """The overflow ``ev`` as an incident when it makes its rank's run of notices with no
-    iteration line between (nor a line with a loss: ``logged``), and no scale that grew again,
-    long or steep enough: one skipped step is how a dynamic scale finds its level, a scale
-    halved step after step is a run that no longer trains. Returned once per run."""
-    key = "?" if ev.rank is None else str(ev.rank)
-    runs = state.overflow_runs or {}
-    scale = ev.fields.get("loss_scale")
-    scale = float(scale) if isinstance(scale, (int, float)) else None
-    attempted = ev.fields.get("attempted_scale")
-    run = runs.get(key)
-    if run is not None and (
-        logged
-        or run[3] < state.progress_line
-        or (scale is not None and run[2] is not None and scale > run[2])
-    ):
-        run = None  # a step trained in between, or the scale grew back: a new run
-    if run is None:
-        first = float(attempted) if isinstance(attempted, (int, float)) else scale
-        run = [0, first, None, line_no, False]
-    notices = int(run[0]) + 1
-    first = run[1] if run[1] is not None else scale
-    last = scale if scale is not None else run[2]
-    fallen = first is not None and last is not None and last > 0 and first / last >= _CASCADE_FALL
-    # before the stream's first iteration line, a dynamic scale halving from its initial value
-    # (2**16 and more in DeepSpeed, apex and torch) is the scaler calibrating, not a failure:
-    # at start-up only a fall below a level training settles above counts
-    warming_up = state.progress_line == 0 and (last is None or last > _CASCADE_WARMUP_FLOOR)
-    due = not run[4] and not warming_up and (notices >= _CASCADE_NOTICES or fallen)
-    if key in runs or len(runs) < 4096:
-        state.overflow_runs = {
-            **runs,
-            key: [notices, first, last, line_no, bool(run[4]) or due, ev.offset],
-        }
-    if not due:
-        return None
-    fields = {**ev.fields, "incident": True, "consecutive_overflows": notices}
-    if first is not None:
-        fields["first_loss_scale"] = first
-    message = f"{notices} loss-scale overflows in a row" + (
-        f", scale {first:g} -> {last:g}: training is not progressing"
-        if first is not None and last is not None
-        else ": training is not progressing"
-    )
-    return dataclasses.replace(ev, message=message, fields=fields)
-
-
-_CASCADE_NOTICES = 4  # skipped steps in a row, no step trained between
-_CASCADE_FALL = 2.0**4  # the scale's fall from where the run started
-_CASCADE_WARMUP_FLOOR = 2.0**10  # start-up calibration ends above this in healthy fp16 runs
-
-
-def _same_process(state: StreamState, text: str, line_no: int) -> bool:
-    """Is ``text`` a later line of the process whose line named the hint rank (its PID)?"""
-    return (
-        state.hint_rank is not None
-        and state.hint_rank_pid is not None
-        and line_no != state.hint_rank_line
-        and line_no - state.hint_rank_line <= RANK_HINT_WINDOW
-        and _reporter_pid(text) == state.hint_rank_pid
-    )
-
-
-def _reporter_pid(text: str) -> int | None:
-    """The PID a CANN / torch_npu report line says printed it, if any."""
-    if "PID:" not in text:
-        return None
-    m = _REPORTER_PID.search(text, 0, 400)
-    return int(m.group(1)) if m is not None else None
-
-
-def _other_rank(said_by: Any, rank: Any) -> bool:
-    """Two known values that differ: a stage another rank's line named, a PID of another
-    process."""
-    return said_by is not None and rank is not None and said_by != rank
-
-
-def _global_rank(
-    launch: Mapping[str, str] | None, local_rank: int, one_node: bool = True
-) -> int | None:
-    """A local rank's global rank: ``group_rank * nproc_per_node + local_rank`` when the launcher
-    printed both; the local rank itself on one node (``one_node``: nothing says there are
-    more); unknown on a job of several nodes."""
-    facts = launch or {}
-    try:
-        nnodes = int(facts.get("nnodes", "1"))
-        group = int(facts["group_rank"]) if "group_rank" in facts else None
-        nproc = int(facts["nproc_per_node"]) if "nproc_per_node" in facts else None
-    except ValueError:
-        return local_rank
-    if group is not None and nproc is not None:
-        return group * nproc + local_rank
-    if nnodes > 1 or (group or 0) > 0 or not one_node:
-        return None  # a local rank of one of several nodes: which node is not known
-    return local_rank  # one node: the local rank is the global one
-
-
-class _Missing(dict[str, Any]):
-    """Message templates name groups that some lines lack: say so."""
-
-    def __missing__(self, key: str) -> str:
-        return "unknown"

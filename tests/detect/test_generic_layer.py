@@ -91,9 +91,9 @@ def test_a_record_split_over_chunks_survives_the_state_round_trip() -> None:
 
 
 def test_a_record_expires(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nanwatch.detect import engine
+    from nanwatch.detect import records
 
-    monkeypatch.setattr(engine, "RECORD_LINES", 5)
+    monkeypatch.setattr(records, "RECORD_LINES", 5)
     lines = ["Traceback (most recent call last):", *frames(n=3), "ValueError: too late"]
     assert feed(lines) == []
 
