@@ -80,7 +80,10 @@ _LR_COUNTER_LINE = re.compile(
 )
 # A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
 # "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
-_LINE_RANK = re.compile(r"(?<![\w\[])\[R(\d{1,5})\]")
+# ... or a key-value line that ends with its rank ("... loss nan lr 0.00004 rank 3", WeNet's)
+_LINE_RANK = re.compile(
+    r"(?<![\w\[])\[R(\d{1,5})\]|(?<![\w.\-])rank[ \t]{0,2}[:=]?[ \t]{0,2}(\d{1,6})[ \t]*$"
+)
 _LINE_EPOCH = re.compile(
     r"(?<![\w.])(?:E(\d{1,5})(?=[ \t]+(?:iter|step|it)\b)"
     r"|[Ee]poch[ \t]{0,2}:?[ \t]{0,2}\[?[ \t]{0,2}(\d{1,5})\b(?![.\d]))"
@@ -175,7 +178,7 @@ def _progress(
         epoch=epoch,
         iter=it,
         step=step,
-        rank=int(rank_m.group(1)) if rank_m else None,
+        rank=int(rank_m.group(1) or rank_m.group(2)) if rank_m else None,
     )
 
 

@@ -231,3 +231,10 @@ def test_a_report_right_before_a_redrawn_bare_bar_takes_its_position() -> None:
 def test_paddles_pass_is_an_epoch() -> None:
     got = progress.read("Pass 12, batch 340, loss 0.8812, acc1 0.71, time 0.98 sec")
     assert got is not None and (got.epoch, got.iter, got.loss) == (12, 340, True)
+
+
+def test_a_metric_line_that_ends_with_its_rank() -> None:
+    got = progress.read("DEBUG TRAIN Batch 410/9000 loss nan loss_ctc nan lr 0.00021 rank 5")
+    assert got is not None and got.rank == 5
+    got = progress.read("step 40 loss 0.3 (rank 5 of 8)")
+    assert got is not None and got.rank is None
