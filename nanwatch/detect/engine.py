@@ -246,17 +246,8 @@ class Detector:
         state.line_no = line_no + chunk.count(b"\n", pos)  # the lines before pos are counted
         if facts is not None:
             facts.extend(f.facts)
-        if f.first_epoch is not None:
-            # a report printed before the stream named any epoch belongs to the epoch that the
-            # progress lines right after it name
-            at, epoch = f.first_epoch
-            f.events = [
-                dataclasses.replace(e, epoch=epoch)
-                if e.epoch is None and e.line is not None and 0 < at - e.line <= BLOCK_LINES
-                else e
-                for e in f.events
-            ]
-        # a report with no counters at all, just before a logged step: that step's
+        # a report with no counters at all, just before a logged step (or a bar redrawn after
+        # it): that step's
         looked = 0
         for i, e in enumerate(f.events):
             if e.epoch is not None or e.iter is not None or e.step is not None:
@@ -269,6 +260,16 @@ class Detector:
                 f.events[i] = dataclasses.replace(
                     e, epoch=nxt.epoch, iter=nxt.iter, step=nxt.step, stage=e.stage or nxt.stage
                 )
+        if f.first_epoch is not None:
+            # a report printed before the stream named any epoch belongs to the epoch that the
+            # progress lines right after it name
+            at, epoch = f.first_epoch
+            f.events = [
+                dataclasses.replace(e, epoch=epoch)
+                if e.epoch is None and e.line is not None and 0 < at - e.line <= BLOCK_LINES
+                else e
+                for e in f.events
+            ]
         # no stage unless the text names one (a progress line, a traceback frame, the entry
         # script): an inference server or an evaluation script is not training
         return f

@@ -23,6 +23,7 @@ it costs nothing on lines that give no event.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -300,10 +301,13 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         p = read(text)
         if p is not None and p.loss and p.counted:
             return p
-        if p is not None and p.counted and (_BARE_BAR.match(text) or _EPOCH_BAR.match(text)):
+        if p is not None and p.counted and _BARE_BAR.match(text):
             # the bar redrawn right after the report (tqdm refreshes it as the step logs or
             # the exception leaves its loop): its position is the report's step
             return p
+        if p is not None and p.counted and _EPOCH_BAR.match(text):
+            # an epoch's bar trains (an evaluation has a bar of its own: common.iter.epoch_bar)
+            return p if p.stage else dataclasses.replace(p, stage="train")
     return None
 
 

@@ -238,3 +238,17 @@ def test_a_metric_line_that_ends_with_its_rank() -> None:
     assert got is not None and got.rank == 5
     got = progress.read("step 40 loss 0.3 (rank 5 of 8)")
     assert got is not None and got.rank is None
+
+
+def test_a_report_before_the_first_epoch_bar_takes_the_bar_whole() -> None:
+    """The bar redrawn after the report names its epoch, its position and its mode, not only
+    the epoch the stream had not named yet."""
+    text = (
+        "lightning.fabric.utilities.exceptions.MisconfigurationException: no key 'val/acc'\n"
+        "Epoch 2: 100%|\xe2\x96\x88\xe2\x96\x88| 120/120 [00:40<00:00,  2.98it/s, v_num=3]\n"
+    ).encode("latin-1")
+    det = Detector(load_rules(), default_year=2026)
+    events, _ = det.feed(text, 0, StreamState(), "x.log")
+    assert [(e.kind, e.epoch, e.iter, e.stage) for e in events] == [
+        ("process_failure", 2, 120, "train")
+    ]
