@@ -33,6 +33,7 @@ from . import core as _core
 from .bounds import COUNT_LIMIT
 from .bounds import count as _count
 from .compiled import ChunkPlan, Compiled, _number
+from .context import progressed
 from .rules import Rule, normalize_stage
 from .timestamps import TimeParser
 
@@ -492,13 +493,7 @@ def apply(
         if first0:
             state.first_epoch = 0
         if fmt.rule.progress:
-            state.progress_line = lines[-1]
-            state.hint_stage = None
-            state.hint_rank = None
-            state.hint_local_rank = None
-            if state.blocks:
-                state.blocks = {}
-            state.records = None
+            progressed(state, lines[-1])  # as the line engine does after a progress line
         for t in reversed(times):
             if t:
                 state.last_time = t
