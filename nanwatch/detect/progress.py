@@ -265,6 +265,9 @@ def before(
 # follows such a bar within a few lines, with no loss line nearer, happened at its position.
 _BARE_BAR = re.compile(r"^[ \t]{0,8}\d{1,3}%\|")
 _EPOCH_BAR = re.compile(r"^[ \t]{0,8}Epoch[ \t]{1,3}\d{1,6}:[ \t]{1,8}\d{1,3}%\|")  # Lightning's
+_NAMED_BAR = re.compile(  # a bar whose description is a mode word: "steps:  0% 0/2300 [", "Train: 4%|"
+    r"^[ \t]{0,8}(?P<desc>[A-Za-z]{2,20})[ \t]?:?[ \t]{1,8}\d{1,3}%(?:\||[ \t]{1,4}\d{1,12}/\d{1,12} \[)"
+)
 BAR_LINES = 8
 
 
@@ -308,6 +311,12 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         if p is not None and p.counted and _EPOCH_BAR.match(text):
             # an epoch's bar trains (an evaluation has a bar of its own: common.iter.epoch_bar)
             return p if p.stage else dataclasses.replace(p, stage="train")
+        named = _NAMED_BAR.match(text) if p is not None and p.counted else None
+        stage = normalize_stage(named["desc"]) if named else None
+        if p is not None and stage is not None:
+            # a bar named by its mode ("steps", "Training", "Validation") redrawn as the
+            # exception left its loop: that mode's step
+            return p if p.stage else dataclasses.replace(p, stage=stage)
     return None
 
 

@@ -169,6 +169,9 @@ _STAGE_ALIASES = {
     "sanity checking": "val",
     "sanity": "val",
     "dev": "val",
+    "steps": "train",  # a progress bar that counts optimizer steps or iterations
+    "iteration": "train",
+    "iterations": "train",
 }
 
 

@@ -252,3 +252,17 @@ def test_a_report_before_the_first_epoch_bar_takes_the_bar_whole() -> None:
     assert [(e.kind, e.epoch, e.iter, e.stage) for e in events] == [
         ("process_failure", 2, 120, "train")
     ]
+
+
+def test_a_report_right_before_a_bar_named_by_its_mode_takes_that_mode() -> None:
+    """A bar whose description is a mode word ("steps", "Validation") redrawn as the
+    exception left its loop stages the report; a bar named by anything else says nothing."""
+    det = Detector(load_rules(), default_year=2026)
+    report = "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    for bar, stage in [
+        ("steps:  13% 300/2300 [04:01<26:50,  1.24it/s, avr_loss=0.081]", "train"),
+        ("Validation: 40%|####      | 4/10 [00:01<00:02,  2.90it/s]", "val"),
+        ("Downloading:  40%|####      | 4/10 [00:01<00:02,  2.90it/s]", None),
+    ]:
+        events, _ = det.feed((report + bar + "\n").encode(), 0, StreamState(), "x.log")
+        assert [(e.kind, e.stage) for e in events] == [("process_failure", stage)], bar
