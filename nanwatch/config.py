@@ -12,11 +12,12 @@ import re
 import stat
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ._dc import dataclass
 from .errors import ConfigError
 
 # patterns compile on first use (``re``'s own cache): most commands parse no duration or size

@@ -8,8 +8,10 @@ from __future__ import annotations
 import datetime as _dt
 import time as _time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, NamedTuple
+
+from ._dc import dataclass
 
 KINDS = (
     "nan",

@@ -7,8 +7,10 @@ stage, epoch, iteration and line count it had.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields
 from typing import Any
+
+from ._dc import dataclass
 
 # What a launcher or scheduler prints about the launch (context rules' groups of these names):
 # the same on every node of one launch, so they name the job across nodes (sources/identity.py).

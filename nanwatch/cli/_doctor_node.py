@@ -5,10 +5,10 @@ from __future__ import annotations
 import glob
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._dc import dataclass
 from .doctor import Finding, as_root_note, current_user
 
 INOTIFY = Path("/proc/sys/fs/inotify")

@@ -11,12 +11,13 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import click
 
+from .._dc import dataclass
 from ._common import EXIT_ERROR, config_option, db_option, emit_json, json_option
 
 

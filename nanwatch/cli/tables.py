@@ -10,8 +10,8 @@ resort cuts each line. ``width=None`` (output piped) means no limit at all.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from ..events import ranks_text
 from ..render import Doc
 

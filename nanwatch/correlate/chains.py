@@ -18,8 +18,8 @@ the host's OOM killer, a segfault) stays a root.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from ..events import parse_utc
 from ..store.incidents import Incidents
 from ..store.records import JSON, StoredEvent

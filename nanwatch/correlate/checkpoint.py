@@ -25,9 +25,9 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import IO, Any
 
+from .._dc import dataclass
 from ..errors import SourceError
 
 MAX_PICKLE = 512 << 20

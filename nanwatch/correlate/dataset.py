@@ -16,10 +16,11 @@ import json
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import IO, Any
 
+from .._dc import dataclass
 from ..errors import NanwatchError
 
 READ = 1 << 20

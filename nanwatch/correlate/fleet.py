@@ -13,8 +13,9 @@ others time out is named as a suspect on the open communication incidents of tha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from .._dc import dataclass
 from ..store.db import Store
 from ..store.fleet import FleetStore
 from ..store.fleet_work import import_events, import_lifecycles, pulled_upto

@@ -24,9 +24,10 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import TYPE_CHECKING
 
+from .._dc import dataclass
 from ..events import format_utc, now_utc
 from ..store.db import Store
 from ..store.events import Events, MetricReads

@@ -34,9 +34,10 @@ import difflib
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
+from .._dc import dataclass
 from ..errors import RuleError
 from ..store.events import Events
 from ..store.records import JSON, Run

@@ -12,8 +12,8 @@ families were non-finite at which steps), returned with the origin for the incid
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from ..detect.msprobe.names import looks_squashed
 from ..store.events import Events, TensorGroup
 from ..store.records import JSON, Incident

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from ..detect.msprobe.names import locate
 from ..store.records import JSON, StoredEvent
 

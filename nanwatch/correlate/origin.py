@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from .._dc import dataclass
 from ..store.events import Events
 from ..store.records import JSON, Incident, StoredEvent
 from .chains import SYMPTOM_KINDS, event_time

@@ -13,9 +13,9 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from .._dc import dataclass
 from ..detect.msprobe.names import param_key, suffix_matches
 from ..errors import SourceError
 from ..sources.monitor import RANK_DIR, V2_RANK_DIR

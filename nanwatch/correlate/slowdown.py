@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from itertools import islice
 from operator import lt
 from typing import NamedTuple, cast
 
+from .._dc import dataclass
 from ..events import Event
 from ..store.metrics import MISSING, Block, Metrics
 from ..store.records import JSON

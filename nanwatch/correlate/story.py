@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from .._dc import dataclass
 from ..events import parse_utc, ranks_text
 from ..store.events import Events, KindGroup
 from ..store.records import JSON, Run

@@ -13,9 +13,10 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from .._dc import dataclass
 from ..errors import StoreError
 from ..events import Event, Metric, now_utc
 from ..sources import Chunk, Root, SourceRecord, Tracker

@@ -15,7 +15,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import MetricsHandler
 
 from .. import __version__
+from .._dc import dataclass
 from ..config import parse_listen
 from ..errors import ConfigError, StoreError
 from ..store import DatabaseError, Store

@@ -25,11 +25,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from .._dc import dataclass
 from ..config import Config, load_config
 from ..correlate import Change
 from ..detect import RuleSet, load_rules

@@ -12,9 +12,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+from .._dc import dataclass
 
 DINO_LOSSES = (
     ["loss_cls", "loss_bbox", "loss_iou"]

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import accumulate, repeat
 from typing import Any, cast
 
+from .._dc import dataclass
 from ..events import Metric
 from ..stream import StreamState
 from . import core as _core

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._dc import dataclass
 from ..events import Event, Metric
 from ..stream import StreamState
 from .engine import Detector

@@ -24,10 +24,11 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .._dc import dataclass
 from ..events import Event
 from ..stream import StreamState
 from .core import zip_rows

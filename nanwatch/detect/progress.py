@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from .rules import normalize_stage
 
 LINE_MAX = 4000  # what is read of one line
@@ -265,8 +265,10 @@ def before(
 # follows such a bar within a few lines, with no loss line nearer, happened at its position.
 _BARE_BAR = re.compile(r"^[ \t]{0,8}\d{1,3}%\|")
 _EPOCH_BAR = re.compile(r"^[ \t]{0,8}Epoch[ \t]{1,3}\d{1,6}:[ \t]{1,8}\d{1,3}%\|")  # Lightning's
-_NAMED_BAR = re.compile(  # a bar whose description is a mode word: "steps:  0% 0/2300 [", "Train: 4%|"
-    r"^[ \t]{0,8}(?P<desc>[A-Za-z]{2,20})[ \t]?:?[ \t]{1,8}\d{1,3}%(?:\||[ \t]{1,4}\d{1,12}/\d{1,12} \[)"
+# a bar whose description is a mode word: "steps:  0% 0/2300 [", "Train: 4%|"
+_NAMED_BAR = re.compile(
+    r"^[ \t]{0,8}(?P<desc>[A-Za-z]{2,20})[ \t]?:?[ \t]{1,8}\d{1,3}%"
+    r"(?:\||[ \t]{1,4}\d{1,12}/\d{1,12} \[)"
 )
 BAR_LINES = 8
 

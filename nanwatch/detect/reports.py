@@ -7,9 +7,10 @@ the stream state, so a report split over two chunks is still one event."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from .._dc import dataclass
 from ..events import Event, Metric
 from ..stream import StreamState
 

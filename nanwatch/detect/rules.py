@@ -107,10 +107,11 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from .._dc import dataclass
 from ..errors import RuleError
 from ..events import ATTRIBUTES, KINDS, STAGES
 from .bounds import LINE_LIMIT, MAX_CHARS_MAX, lint

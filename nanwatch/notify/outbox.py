@@ -36,9 +36,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from .._dc import dataclass
 from ..correlate import Change
 from ..errors import DeliveryError, NanwatchError
 from ..events import format_utc

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from .._dc import dataclass
 from ..store.db import Store
 from ..store.events import Events
 from ..store.incidents import Incidents

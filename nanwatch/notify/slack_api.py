@@ -13,11 +13,12 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from .._dc import dataclass
 from ..config import SLACK_TOKEN_CREDENTIAL, SLACK_WEBHOOK_CREDENTIAL, Config
 from ..config import read_secret_file as read_secret
 from ..errors import ConfigError, DeliveryError

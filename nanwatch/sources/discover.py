@@ -9,9 +9,9 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from .._dc import dataclass
 from ..errors import SourceError
 
 SNIFF_BYTES = 4096

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from .._dc import dataclass
 from ..config import ClusterConfig
 
 _MMENGINE_TS = re.compile(r"^\d{8}_\d{6}$")

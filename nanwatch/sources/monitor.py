@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 
+from .._dc import dataclass
 from ..events import TAGS
 from .dates import infer_year, zoned_epoch
 

@@ -8,8 +8,9 @@ import hashlib
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from .._dc import dataclass
 from ..stream import StreamState
 from .discover import Root
 

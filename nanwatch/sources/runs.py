@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from .._dc import dataclass
 from .discover import Root
 from .monitor import RANK_DIR, classify, folder_time
 

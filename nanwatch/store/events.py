@@ -10,8 +10,8 @@ metrics module can answer them from its own storage.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
+from .._dc import dataclass
 from .db import Store
 from .records import EVENT_COLUMNS, JSON, StoredEvent
 

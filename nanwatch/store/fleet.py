@@ -30,10 +30,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse, urlunparse
 
+from .._dc import dataclass
 from ..errors import ConfigError, StoreError
 from .db import Store
 from .records import JSON, loads

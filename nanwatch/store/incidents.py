@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from .._dc import dataclass
 from ..events import now_utc
 from .db import Store
 from .records import INCIDENT_COLUMNS, JSON, RUN_COLUMNS, Incident, Run, columns

@@ -26,10 +26,11 @@ merged step times (medians over every rank of the launch).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from .._dc import dataclass
 from ..errors import StoreError
 from ..events import now_utc
 from .db import Store

@@ -15,9 +15,9 @@ import itertools
 import math
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
+from .._dc import dataclass
 from ..events import Metric
 from .metric_codec import (
     _INTS,

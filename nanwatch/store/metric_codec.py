@@ -23,9 +23,9 @@ import sys
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
+from .._dc import dataclass
 from ..events import Metric
 
 MISSING = -(2**63)  # an int column's missing value

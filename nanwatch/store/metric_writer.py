@@ -16,9 +16,9 @@ from __future__ import annotations
 import sqlite3
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._dc import dataclass
 from ..events import Metric
 from .metric_blocks import SMALL_BLOCK, Packed, _encoded, _grown, _joined, _Parts, _parts, _summary
 from .metric_codec import (

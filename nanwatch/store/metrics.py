@@ -22,10 +22,10 @@ import json
 import sqlite3
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._dc import dataclass
 from .metric_blocks import SMALL_BLOCK, Packed, _finite, _summary, pack
 from .metric_codec import (
     _SWAP,

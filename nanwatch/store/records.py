@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from .._dc import dataclass
 
 JSON = Any  # a decoded JSON value: its shape is the rule pack's or the knowledge entry's
 

@@ -16,7 +16,8 @@ suffix of the real one; :func:`suffix_matches` finds the real names in a checkpo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from ..._dc import dataclass
 
 # raw msprobe tag (dumps, alerts) or CSV file family -> normalised tag (ARCHITECTURE.md)
 TAG_OF = {

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from ..._dc import dataclass
 from .names import PARAM_TAGS, PHASE_OF, TAG_OF, locate
 
 CORE_STATS = ("norm", "min", "max", "mean")

@@ -15,8 +15,9 @@ restart or a new per-step file continues the count instead of starting over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from ..._dc import dataclass
 
 FULL_STEPS = 2
 FULL_ROWS = 512
