@@ -32,7 +32,9 @@ from .rules import normalize_stage
 LINE_MAX = 4000  # what is read of one line
 
 _LOSS = re.compile(
-    r"(?i)(?P<key>(?<![\w/.\-])[a-z_][\w/.\-]{0,60}?)?loss(?P<tail>[\w/.\-]{0,30}?)"
+    r"(?i)(?P<key>(?<![\w/.\-])[a-z_][\w/.\-]{0,60}?)?loss"
+    r"(?!\.(?:cu|cuh|cc|cpp|cxx|c|h|hpp|py|pyx)[:\"\s])"  # a source file ("Loss.cu:257")
+    r"(?P<tail>[\w/.\-]{0,30}?)"
     r"['\"]?\]?[ \t]{0,3}"
     r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
 )

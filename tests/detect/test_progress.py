@@ -266,3 +266,11 @@ def test_a_report_right_before_a_bar_named_by_its_mode_takes_that_mode() -> None
     ]:
         events, _ = det.feed((report + bar + "\n").encode(), 0, StreamState(), "x.log")
         assert [(e.kind, e.stage) for e in events] == [("process_failure", stage)], bar
+
+
+def test_a_source_file_named_loss_is_no_loss_value() -> None:
+    """A kernel's file ("Loss.cu:257") names no loss: the failure gets no training stage."""
+    assert progress.read("/src/aten/src/ATen/native/cuda/Loss.cu:257: nll_loss_forward") is None
+    assert progress.read("/srv/exp/loss.py:40: UserWarning: reduction is deprecated") is None
+    got = progress.read("epoch 3 loss.total: 0.91")
+    assert got is not None and got.loss
