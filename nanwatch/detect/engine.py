@@ -76,6 +76,7 @@ class Detector:
         self.counters: Counter[str] = Counter()
         self._cap = min((r.max_chars for r in rules.rules), default=0)
         self._warned: set[str] = set()
+        self._ahead = frozenset(r.id for r in rules.rules if r.ahead)
         self._clock = clock  # the bound of a year-less line's date when the bytes have no file
 
     @property
@@ -250,7 +251,8 @@ class Detector:
         # it): that step's
         looked = 0
         for i, e in enumerate(f.events):
-            if e.epoch is not None or e.iter is not None or e.step is not None:
+            counted = e.epoch is not None or e.iter is not None or e.step is not None
+            if counted and e.fields.get("rule") not in self._ahead:
                 continue
             if looked >= AHEAD_MAX or e.offset is None or not 0 <= e.offset - f.base < len(chunk):
                 break
@@ -258,7 +260,11 @@ class Detector:
             nxt = progress.after(chunk, e.offset - f.base)
             if nxt is not None:
                 f.events[i] = dataclasses.replace(
-                    e, epoch=nxt.epoch, iter=nxt.iter, step=nxt.step, stage=e.stage or nxt.stage
+                    e,
+                    epoch=e.epoch if nxt.epoch is None else nxt.epoch,
+                    iter=nxt.iter,
+                    step=nxt.step,
+                    stage=e.stage or nxt.stage,
                 )
         if f.first_epoch is not None:
             # a report printed before the stream named any epoch belongs to the epoch that the

@@ -50,7 +50,8 @@ _COUNTER = re.compile(
 # closing bracket "[ 600 / 1000]"
 _POSITION = re.compile(
     r"(?<![\w./:\-])(?P<n>\d{1,12})[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12})"
-    r"(?:[ \t]{1,3}\[(?=\d{1,4}:\d\d|[=>.\u2026 ])|[ \t]{0,2}\])"
+    r"(?:[ \t]{1,3}\[(?=\d{1,4}:\d\d|[=>.\u2026 ])|[ \t]{0,2}\]"
+    r"|[ \t]{1,2}\([ \t]{0,2}\d{1,3}(?:\.\d{1,2})?%\)\])"  # "[640/60000 (1%)]"
 )
 _MODE = re.compile(
     r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"

@@ -56,6 +56,9 @@ Optional rule keys (all backward compatible):
   stripped), for records printed over several lines (torchrun's failure summary).
 - ``alone = true``: every matching line is a detection of its own, never folded into a failure
   report (msprobe's alert lines: one line per tensor).
+- ``ahead = true``: the report is printed inside the step that the next logged step line (within
+  a few lines, after any repeats of the report) names: that step is its position, rather than
+  the last one logged before it (a logger's warnings raised while the step logs its values).
 - ``set`` on an event rule sets attributes of the event (``set = { stage = "val" }``).
 - ``const = { incident = false }``: the event is stored but opens no incident by itself.
 - context rules whose pattern has a ``loss``/``iter``/``step`` group or ``metrics`` mark an
@@ -280,6 +283,7 @@ class Rule:
     tier: str = "family"
     lines: int = 1
     alone: bool = False
+    ahead: bool = False  # positioned at the step logged right after it (see the module doc)
     progress: bool = False  # an iteration line: closes failure reports, clears hints
     entry: bool = False  # a hint from the launch's entry script: weaker than a loop frame
     facts: Mapping[str, str] = field(default_factory=dict)  # fact path -> template
@@ -346,6 +350,7 @@ _RULE_KEYS = {
     "priority",  # refused with a message naming the tier to use
     "lines",
     "alone",
+    "ahead",
     "facts",
     "max_chars",
     "entry",
@@ -662,6 +667,7 @@ def _load_pack(
             "tier": tier,
             "lines": nlines,
             "alone": bool(raw.get("alone", False)),
+            "ahead": bool(raw.get("ahead", False)),
             "progress": progress,
             "facts": dict(facts),
             "max_chars": max_chars,

@@ -274,3 +274,9 @@ def test_a_source_file_named_loss_is_no_loss_value() -> None:
     assert progress.read("/srv/exp/loss.py:40: UserWarning: reduction is deprecated") is None
     got = progress.read("epoch 3 loss.total: 0.91")
     assert got is not None and got.loss
+
+
+def test_the_position_beside_its_percentage_in_brackets() -> None:
+    """The loop of PyTorch's examples: "Train Epoch: 3 [640/60000 (1%)]\tLoss: 0.51"."""
+    got = progress.read("Train Epoch: 3 [640/60000 (1%)]\tLoss: 0.512300")
+    assert got is not None and (got.epoch, got.iter, got.loss) == (3, 640, True)
