@@ -53,6 +53,8 @@ _POSITION = re.compile(
     r"(?:[ \t]{1,3}\[(?=\d{1,4}:\d\d|[=>.\u2026 ])|[ \t]{0,2}\]"
     r"|[ \t]{1,2}\([ \t]{0,2}\d{1,3}(?:\.\d{1,2})?%\)\])"  # "[640/60000 (1%)]"
 )
+# a tqdm bar's rate in epochs: "98/150 [18:47:34<9:58:18, 690.35s/epoch, loss=-1.01]"
+_EPOCH_UNIT = re.compile(r"(?:[ \t]{0,3}\[)?[^\]\n]{0,60}?(?:s/epoch|epochs?/s)\b")
 _MODE = re.compile(
     r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"
     r"|test(?:ing)?)(?![\w.\-/])"
@@ -136,7 +138,10 @@ def read(text: str, at: int | None = None) -> LineProgress | None:
                 continue
             n, of = int(m.group("n")), int(m.group("of"))
             if of > 0 and n <= of:
-                it = n
+                if epoch is None and _EPOCH_UNIT.match(text, m.end()):
+                    epoch = n  # a bar whose unit is the epoch counts epochs
+                else:
+                    it = n
                 break
     if not losses and epoch is None and it is None and step is None:
         return None
@@ -239,6 +244,9 @@ def before(
                 # the report is inside a block of metric lines (one per line) whose header
                 # names the step: "Learning iteration 8391/10000", "t = 15500 / 300000"; a
                 # bare bar between them counts the steps of the epoch the header names
+                if p.stage is None and _LR_COUNTER_LINE.search(text):
+                    # a learning rate beside the counter: the optimizer's loop
+                    p = dataclasses.replace(p, stage="train")
                 if bar is not None and p.iter is None and p.step is None:
                     return LineProgress(
                         False, p.stage or bar.stage, p.epoch, bar.iter, None, p.rank

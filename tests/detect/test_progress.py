@@ -280,3 +280,21 @@ def test_the_position_beside_its_percentage_in_brackets() -> None:
     """The loop of PyTorch's examples: "Train Epoch: 3 [640/60000 (1%)]\tLoss: 0.51"."""
     got = progress.read("Train Epoch: 3 [640/60000 (1%)]\tLoss: 0.512300")
     assert got is not None and (got.epoch, got.iter, got.loss) == (3, 640, True)
+
+
+def test_a_header_with_a_learning_rate_beside_its_counter_is_trainings() -> None:
+    """ "Running epoch=3  lr=0.0001" before a report: the epoch, in training; a header with
+    no learning rate names no mode."""
+    text = b"Running epoch=3\tlr=0.00010\nFailed to allocate again.\n"
+    got = progress.before(text, text.index(b"Failed"))
+    assert got is not None and (got.epoch, got.stage) == (3, "train")
+    text = b"Learning iteration 8391/10000\nFailed to allocate again.\n"
+    got = progress.before(text, text.index(b"Failed"))
+    assert got is not None and got.stage is None
+
+
+def test_a_bar_counting_epochs_names_the_epoch() -> None:
+    got = progress.read(" 65%|######5   | 98/150 [18:47:34<9:58:18, 690.35s/epoch, loss=-1.01]")
+    assert got is not None and (got.epoch, got.iter) == (98, None)
+    got = progress.read(" 65%|######5   | 98/150 [00:47<00:18,  2.07it/s, loss=1.01]")
+    assert got is not None and (got.epoch, got.iter) == (None, 98)
