@@ -118,8 +118,10 @@ def build_event(
         if not (state.hint_weak and state.stage):
             stage = state.hint_stage
         state.hint_stage = None
+    f.stage_from_stream = False
     if stage is None and not other_rank(state.stage_rank, own_rank):
         stage = state.stage
+        f.stage_from_stream = stage is not None
     if stage is None:
         stage = progress.line_stage(text, line_progress, nonfinite=rule.kind == "nan")
     uncounted = (

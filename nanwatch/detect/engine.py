@@ -626,6 +626,10 @@ class Detector:
                 f.events.append(ev)
             else:
                 report(ev, c.strength[rule.id], state, line_no, f, generic=rule.tier == "generic")
+                if f.stage_from_stream and f.events and f.events[-1] is ev:
+                    # staged by where the stream was: the frames after its line say where it
+                    # failed (context.late_stage)
+                    f.weak_stage.add(len(f.events) - 1)
             if state.records and (rule.within is not None or not text[:1].isspace()):
                 # a traceback's final line was read (by this rule or a more specific one)
                 close_record(state, rank)

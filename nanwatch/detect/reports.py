@@ -40,7 +40,10 @@ class Feed:
     first_epoch: tuple[int, int] | None = None  # (line, epoch) where the stream named its first
     facts: list[dict[str, Any]] = field(default_factory=list)  # run facts the lines told
     trace: set[str] | None = None  # ids of the rules that matched, when someone asks
-    weak_stage: set[int] = field(default_factory=set)  # events staged by the entry script only
+    # events staged by the entry script only, or by the stream's last mode: frames printed after
+    # the report's line (a native stack, another record's traceback) may say more
+    weak_stage: set[int] = field(default_factory=set)
+    stage_from_stream: bool = False  # the event build_event just made took the stream's mode
     # the last look-back for a logged step (progress.before): up to where it read, what it found;
     # the next one reads only the bytes after it, so a storm of reports costs one pass
     looked: tuple[int, Any] | None = None
