@@ -39,7 +39,8 @@ _LOSS = re.compile(
     r"(?:[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?(?:\d|\.\d|nan(?![a-z])|inf(?![a-z]))"
 )
 _COUNTER = re.compile(
-    r"(?i)(?<![\w\-])(?P<key>epoch|ep|pass|iteration|iter|step|global[ _]step|batch|num_updates)s?"
+    r"(?i)(?<![\w])(?<!\w-)(?P<key>epoch|ep|pass|iteration|iter|step|global[ _]step"
+    r"|total[ _]step(?!s)|batch|num_updates)s?"
     r"(?:/(?:max|total|num)_?\w{0,12})?\b['\"]?\]?"  # a position's key: "global_step/max_steps"
     # a separator after the padding of an aligned table ("epoch    =    5.0") or a tight one
     r"(?:[ \t]{0,40}[:=][ \t]{0,12}|[ \t]{0,3}#?[ \t]{0,3})"

@@ -298,3 +298,11 @@ def test_a_bar_counting_epochs_names_the_epoch() -> None:
     assert got is not None and (got.epoch, got.iter) == (98, None)
     got = progress.read(" 65%|######5   | 98/150 [00:47<00:18,  2.07it/s, loss=1.01]")
     assert got is not None and (got.epoch, got.iter) == (None, 98)
+
+
+def test_a_total_step_counter_and_a_banner_after_dashes() -> None:
+    got = progress.read("epoch 0, total_step 90260, total loss is 15.06 , training accuracy 0.31")
+    assert got is not None and (got.epoch, got.step) == (0, 90260)
+    assert progress.read("total_steps: 100000") is None  # a setting, not a position
+    got = progress.read("----------------EPOCH 3")
+    assert got is not None and got.epoch == 3
