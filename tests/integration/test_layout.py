@@ -27,7 +27,7 @@ def test_the_layout_section_matches_the_package() -> None:
 def test_the_top_level_holds_only_stages_the_read_side_and_vocabulary() -> None:
     allowed = {
         "sources", "detect", "store", "correlate", "notify", "daemon", "cli", "demo",
-        "integrations", "query", "render", "probe", "events", "errors", "config", "stream",
+        "integrations", "query", "render", "probe", "events", "errors", "config", "stream", "_dc",
     }  # fmt: skip
     present = {
         p.name.removesuffix(".py")
