@@ -58,7 +58,7 @@ def test_a_shadowed_rule_is_named() -> None:
     shadowed = next(r for r in RULES.rules if r.id == "process.elastic_sigkill")
     order = [first, *(r for r in RULES.rules if r is not first)]
     failures = check_examples(RuleSet(RULES.packs, RULES.prefixes, order), [shadowed])
-    assert [f.rule for f in failures] == ["process.elastic_sigkill"]
+    assert failures and {f.rule for f in failures} == {"process.elastic_sigkill"}
 
 
 def test_shipped_event_rules_use_every_tier() -> None:
