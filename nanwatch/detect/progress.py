@@ -316,21 +316,21 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         left -= 1
         text = raw.decode("utf-8", "replace")
         p = read(text)
-        if p is not None and p.loss and p.counted:
+        if p is None or not p.counted:
+            continue
+        if p.loss or _BARE_BAR.match(text):
+            # a step's log line, or the bar redrawn right after the report (tqdm refreshes it
+            # as the step logs or the exception leaves its loop): its position is the report's
             return p
-        if p is not None and p.counted and _BARE_BAR.match(text):
-            # the bar redrawn right after the report (tqdm refreshes it as the step logs or
-            # the exception leaves its loop): its position is the report's step
-            return p
-        if p is not None and p.counted and _EPOCH_BAR.match(text):
-            # an epoch's bar trains (an evaluation has a bar of its own: common.iter.epoch_bar)
-            return p if p.stage else dataclasses.replace(p, stage="train")
-        named = _NAMED_BAR.match(text) if p is not None and p.counted else None
-        stage = normalize_stage(named["desc"]) if named else None
-        if p is not None and stage is not None:
-            # a bar named by its mode ("steps", "Training", "Validation") redrawn as the
-            # exception left its loop: that mode's step
-            return p if p.stage else dataclasses.replace(p, stage=stage)
+        # an epoch's bar trains (an evaluation has a bar of its own: common.iter.epoch_bar); a
+        # bar named by its mode ("steps", "Training", "Validation") is that mode's step
+        if _EPOCH_BAR.match(text):
+            mode: str | None = "train"
+        else:
+            named = _NAMED_BAR.match(text)
+            mode = normalize_stage(named["desc"]) if named else None
+        if mode is not None:
+            return p if p.stage else dataclasses.replace(p, stage=mode)
     return None
 
 

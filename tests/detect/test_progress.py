@@ -10,6 +10,11 @@ from nanwatch.detect.rules import load_rules
 from nanwatch.stream import StreamState
 
 
+def _before(chunk: bytes, marker: bytes) -> progress.LineProgress | None:
+    """What ``progress.before`` finds for the report that starts with ``marker``."""
+    return progress.before(chunk, chunk.index(marker))
+
+
 @pytest.mark.parametrize(
     ("line", "stage", "epoch", "it", "step"),
     [
@@ -73,18 +78,18 @@ def test_a_report_inside_a_block_takes_the_step_its_header_names() -> None:
         b"      Value function loss: 0.113\n"
         b"         Surrogate loss: nan\n"
     )
-    got = progress.before(chunk, chunk.index(b"         Surrogate"))
+    got = _before(chunk, b"         Surrogate")
     assert got is not None and got.iter == 640
-    block = b"iter 90 of 1000\n  d_loss: 0.5\n  g_loss: 0.7\n  g_loss: nan\n"
-    got = progress.before(block, block.index(b"  g_loss: nan"))
+    got = _before(
+        b"iter 90 of 1000\n  d_loss: 0.5\n  g_loss: 0.7\n  g_loss: nan\n", b"  g_loss: nan"
+    )
     assert got is not None and (got.iter, got.stage) == (90, "train")
     # a loss line with counters of its own above the block is another step's: not borrowed
-    other = b"iter 89 loss 0.4\n  d_loss: 0.5\n  g_loss: nan\n"
-    got = progress.before(other, other.index(b"  g_loss: nan"))
+    got = _before(b"iter 89 loss 0.4\n  d_loss: 0.5\n  g_loss: nan\n", b"  g_loss: nan")
     assert got is not None and got.iter is None
     # a bare position (a shard loader's bar) is no header
     bar = b"Loading checkpoint shards: 100%|#####| 4/4 [00:03<00:00]\nRuntimeError: boom\n"
-    assert progress.before(bar, bar.index(b"RuntimeError")) is None
+    assert _before(bar, b"RuntimeError") is None
 
 
 def _events(text: str) -> list:
@@ -285,11 +290,9 @@ def test_the_position_beside_its_percentage_in_brackets() -> None:
 def test_a_header_with_a_learning_rate_beside_its_counter_is_trainings() -> None:
     """ "Running epoch=3  lr=0.0001" before a report: the epoch, in training; a header with
     no learning rate names no mode."""
-    text = b"Running epoch=3\tlr=0.00010\nFailed to allocate again.\n"
-    got = progress.before(text, text.index(b"Failed"))
+    got = _before(b"Running epoch=3\tlr=0.00010\nFailed to allocate again.\n", b"Failed")
     assert got is not None and (got.epoch, got.stage) == (3, "train")
-    text = b"Learning iteration 8391/10000\nFailed to allocate again.\n"
-    got = progress.before(text, text.index(b"Failed"))
+    got = _before(b"Learning iteration 8391/10000\nFailed to allocate again.\n", b"Failed")
     assert got is not None and got.stage is None
 
 
