@@ -172,6 +172,7 @@ class _Writes:
         self._dirs: dict[str, int] = {}  # folder -> watch descriptor
         self._wds: dict[int, str] = {}
         self.taken = threading.Event()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nanwatch-writes", daemon=True)
         self._thread.start()
 
@@ -217,6 +218,8 @@ class _Writes:
             paths, overflowed = self._parse(data)
             if paths or overflowed:
                 self.taken.clear()
+                if self._stopping:  # stop() set ``taken`` before the clear: it would not again
+                    return
                 self._touch(paths, overflowed)
                 # what comes before the next pass begins is read with one read, not one each
                 # (the kernel queues them meanwhile; past its limit it says so: overflowed)
@@ -257,6 +260,7 @@ class _Writes:
         return paths, overflowed
 
     def stop(self) -> None:
+        self._stopping = True
         os.write(self._stop_w, b"x")
         self.taken.set()
         self._thread.join(5)

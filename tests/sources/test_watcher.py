@@ -147,3 +147,27 @@ def test_the_reader_maps_names_to_paths_and_notes_lost_events(tmp_path: Path) ->
     assert not any(t.name == "nanwatch-writes" and t.is_alive() for t in threading.enumerate())
     assert got == []  # nothing was written in the folder
     assert os.path.isdir(tmp_path)
+
+
+def test_stop_ends_the_reader_when_it_comes_between_a_read_and_its_hand_over(
+    tmp_path: Path,
+) -> None:
+    stopper: list[threading.Thread] = []
+
+    class Racing(_Writes):
+        def _parse(self, data: bytes) -> tuple[set[str], bool]:
+            got = super()._parse(data)
+            # stop() runs to its join while this read is not handed over yet
+            stopper.append(threading.Thread(target=self.stop))
+            stopper[0].start()
+            self.taken.wait()
+            return got
+
+    touched: list[set[str]] = []
+    w = Racing(lambda paths, overflowed: touched.append(paths))
+    w.watch({str(tmp_path)})
+    (tmp_path / "rank0.log").write_text("hello\n")
+    _until(lambda: bool(stopper), "the read")
+    stopper[0].join()
+    assert not w._thread.is_alive()
+    assert touched == []  # a reader that is stopping hands nothing over
