@@ -548,8 +548,13 @@ class Detector:
             parts = [p for p in text.split("\r") if p.strip()]
             ctx_text = parts[-1] if parts else ""
             text = text.replace("\r", "\n")
+        # a literal counts only inside what the pattern examines: a megabyte line is not
+        # searched whole for each literal of each rule
+        long = len(text) > self._cap
+        cut: dict[int, str] = {}
         for rule in ctx_rules:
-            if not any(lit in ctx_text for lit in rule.literals):
+            probe = _window(ctx_text, rule.max_chars, cut) if long else ctx_text
+            if not any(lit in probe for lit in rule.literals):
                 continue
             m = self._search(rule, ctx_text)
             if m is None:
@@ -598,8 +603,10 @@ class Detector:
                 told = rule_facts(rule, g)
                 if told:
                     f.facts.append(told)
+        cut = {}
         for rule in ev_rules:
-            if not any(lit in text for lit in rule.literals):
+            probe = _window(text, rule.max_chars, cut) if long else text
+            if not any(lit in probe for lit in rule.literals):
                 continue
             rank = prefix_attrs.get("rank")
             if rule.within is not None and not in_record(state, rule.within, rank, line_no):
@@ -713,3 +720,13 @@ class Detector:
                 size,
                 self._cap,
             )
+
+
+def _window(text: str, n: int, cut: dict[int, str]) -> str:
+    """The first ``n`` characters of ``text``, cut once per length for all rules of a line."""
+    if len(text) <= n:
+        return text
+    got = cut.get(n)
+    if got is None:
+        got = cut[n] = text[:n]
+    return got
