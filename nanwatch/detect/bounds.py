@@ -50,8 +50,14 @@ def count(value: Any) -> int | None:
     try:
         n = int(value)
     except (TypeError, ValueError, OverflowError):
-        return None
+        # "10,100": a counter printed with thousands grouped
+        if not (isinstance(value, str) and _GROUPED.match(value)):
+            return None
+        n = int(value.replace(",", ""))
     return n if -COUNT_LIMIT < n < COUNT_LIMIT else None
+
+
+_GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+\Z")
 
 
 LOOKBEHIND_MAX = 255  # characters a lookbehind may look back

@@ -46,6 +46,7 @@ _COUNTER = re.compile(
     r"(?:[ \t]{0,40}[:=][ \t]{0,12}|[ \t]{0,3}#?[ \t]{0,3})"
     r"['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})(?:\.0{1,6}(?![\d.]))?"
     r"(?:[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12}))?(?![\d.])"
+    r"(?![ \t]{0,3}->)"  # "(batch 32 -> 30)": a size that changed, not a position
 )
 # a progress bar's position: tqdm's "431/788222 [29:28<...", Keras' "365/5427 [=>..." and a
 # closing bracket "[ 600 / 1000]"

@@ -56,6 +56,11 @@ def test_a_loss_scale_and_a_position_inside_a_counter_are_not_read() -> None:
     assert got is not None and not got.loss and got.epoch == 2 and got.iter is None
 
 
+def test_a_size_that_changed_is_no_counter() -> None:
+    got = progress.read("WARNING: dropped empty targets (batch 64 -> 61), loss 2.31")
+    assert got is not None and got.loss and got.iter is None and not got.counted
+
+
 def test_the_last_logged_step_before_a_report() -> None:
     chunk = (
         b"Epoch 7/20\n"
