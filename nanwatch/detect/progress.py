@@ -230,7 +230,8 @@ def before(
     for text in reversed(window[-lines:]):
         if not text.strip():
             continue
-        seen += 1
+        if not _TRACEBACK_LINE.match(text):
+            seen += 1  # a traceback's frames are one report, however deep: the bar is before it
         p = read(text)
         if p is None:
             continue
@@ -284,6 +285,12 @@ _NAMED_BAR = re.compile(
     r"(?:\||[ \t]{1,4}\d{1,12}/\d{1,12} \[)"
 )
 BAR_LINES = 8
+# a traceback's own lines: its header, its frames, their source lines (indented deeper than any
+# bar) and the carets under them
+_TRACEBACK_LINE = re.compile(
+    r"^(?:\[[^\]\n]{1,40}\]:)?(?:[ \t]*File \"|Traceback \(most recent call last\)"
+    r"|[ \t]{4,}\S|[ \t]*[\^~]+[ \t]*$)"
+)
 
 
 def _header(text: str, p: LineProgress) -> bool:

@@ -229,6 +229,21 @@ def test_a_report_after_a_bare_progress_bar_takes_its_position() -> None:
     assert progress.before(loading + report, len(loading)) is None
 
 
+def test_a_deep_traceback_after_a_bare_bar_still_takes_its_position() -> None:
+    frames = b"".join(
+        b'  File "/srv/lib/mod%d.py", line %d, in step\n    out = fn(x)\n        ^^^^^\n' % (i, i)
+        for i in range(6)
+    )
+    bar = b"  1%|          | 9/900 [00:04<07:10,  2.07it/s]\n"
+    report = b"KeyError: 'labels'\n"
+    chunk = bar + b"Traceback (most recent call last):\n" + frames + report
+    got = progress.before(chunk, len(chunk) - len(report))
+    assert got is not None and got.iter == 9
+    # the same distance in lines of the run's own log is too far for a bare bar
+    other = b"".join(b"INFO: worker %d ready\n" % i for i in range(12))
+    assert progress.before(bar + other + report, len(bar + other)) is None
+
+
 def test_a_report_right_before_a_redrawn_bare_bar_takes_its_position() -> None:
     """tqdm redraws the bar after the step logs (HF's dict) or the exception leaves the loop."""
     report = b"{'loss': 0.93, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 0.03}\n\n"
