@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import os
 import re
 from collections.abc import Sequence
@@ -131,8 +132,7 @@ class Prefilter:
         self.__init__(state["literals"], state["backend"])  # type: ignore[misc]
 
 
-def _start_then_index(t: tuple[int, int, int]) -> tuple[int, int]:
-    return (t[1], t[0])
+_start_then_index = operator.itemgetter(1, 0)  # (start, literal index) of a match: in C
 
 
 def _hs_database(literals: Sequence[bytes]) -> Any:
