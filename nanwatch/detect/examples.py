@@ -106,7 +106,10 @@ def check_example(detector: Detector, item: Rule | Prefix, ex: Example) -> str |
         ex.state or ex.metrics is not None or ex.events is not None or ex.facts is not None
     ):
         return f"unexpected event {events[0].message!r}"
-    negative = isinstance(item, Rule) and item.type == "event" and not _positive(ex)
+    # an event rule's example that gives no event, or any rule's that names nothing to read
+    negative = isinstance(item, Rule) and (
+        (item.type == "event" and not _positive(ex)) or ex.reads_nothing
+    )
     if negative and item.id in out.fired:
         return "a negative example matched its own rule"
     for key, want in ex.state.items():

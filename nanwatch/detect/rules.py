@@ -244,6 +244,9 @@ class Example:
     facts: Mapping[str, Any] | None = None  # run facts the lines must tell
     # a line this rule would read that a more specific rule reads first: that rule must take it
     claimed_by: str | None = None
+    # ``state`` given and naming nothing to read (``state = {}``, ``{ stage = false }``): the
+    # rule must not fire on these lines at all
+    reads_nothing: bool = False
 
 
 @dataclass(frozen=True)
@@ -478,6 +481,9 @@ def _examples(src: Path, rid: str, raw: object) -> tuple[_ExampleRow, ...]:
                 ex.get("metrics"),
                 ex.get("facts"),
                 ex.get("claimed_by"),
+                "state" in ex
+                and not any(v is not False for v in ex["state"].values())
+                and not any(k in ex for k in ("event", "events", "metrics", "facts")),
             )
         )
     return tuple(out)

@@ -152,6 +152,43 @@ def test_check_fails_on_an_example_its_rule_does_not_match(tmp_path: Path) -> No
     assert [(r["rule"], r["example"]) for r in rows] == [("site.loss_exploded", 1)]
 
 
+CONTEXT_PACK = """
+[pack]
+id = "site"
+title = "Our trainer"
+
+[[rule]]
+id = "site.phase"
+type = "context"
+literals = ["phase "]
+pattern = 'phase (?P<stage>train|eval)\\b'
+[[rule.example]]
+line = "phase eval begins"
+state = { stage = "val" }
+[[rule.example]]
+note = "claims the rule reads nothing here, but it reads the stage"
+line = "phase train of the warm-up"
+state = {}
+"""
+
+
+def test_check_fails_on_a_context_example_that_says_nothing_is_read_but_is(
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "packs"
+    site.mkdir()
+    (site / "ours.toml").write_text(CONTEXT_PACK, encoding="utf-8")
+    res = CliRunner().invoke(cli, ["rules", "--check", str(site), "--json"])
+    assert res.exit_code == 1, res.output
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    assert [(r["rule"], r["example"]) for r in rows] == [("site.phase", 1)]
+    (site / "ours.toml").write_text(
+        CONTEXT_PACK.replace("phase train of the warm-up", "warm-up only"), encoding="utf-8"
+    )
+    res = CliRunner().invoke(cli, ["rules", "--check", str(site), "--json"])
+    assert res.exit_code == 0, res.output
+
+
 def test_a_claimed_example_passes_only_through_the_rule_it_names(tmp_path: Path) -> None:
     site = tmp_path / "packs"
     site.mkdir()
