@@ -201,8 +201,10 @@ def roots_of_run(incidents: Incidents, run_id: int | None) -> list[Root]:
     return out
 
 
-def links(root: Root, ev: StoredEvent, timeouts: Timeouts) -> bool:
-    """Does symptom event ``ev`` follow from ``root``?"""
+def links(
+    root: Root, ev: StoredEvent, timeouts: Timeouts, root_event: StoredEvent | None = None
+) -> bool:
+    """Does symptom event ``ev`` follow from ``root`` (whose own event is ``root_event``)?"""
     fields = ev.fields
     remote = fields.get("remote_rank")
     if remote is not None and root.rank is not None:
@@ -216,9 +218,22 @@ def links(root: Root, ev: StoredEvent, timeouts: Timeouts) -> bool:
             return True
     t = event_time(ev)
     if t is None or root.time is None:
-        return True  # same run and nothing says otherwise: the one root explains it
+        # no clocks to compare: the order one stream printed them in is the evidence left (a
+        # timeout printed before the failure's own report in the same log did not follow from
+        # it); otherwise the one root of the run explains it
+        return not printed_before(ev, root_event)
     window = timeouts.for_backend(fields.get("backend"), fields.get("timeout_ms"))
     return root.time - MARGIN_BEFORE <= t <= root.time + window * 1.2 + MARGIN_BEFORE
+
+
+def printed_before(ev: StoredEvent, other: StoredEvent | None) -> bool:
+    """Was ``ev`` printed before ``other`` in the same stream?"""
+    return (
+        other is not None
+        and other.source_id is not None
+        and ev.source_id == other.source_id
+        and ev.offset < other.offset
+    )
 
 
 def absorbs(root: Root, other: Root) -> bool:

@@ -230,11 +230,14 @@ class Correlator:
             if ev.kind == "process_failure":
                 if root.kind != "oom" or not absorbs(root, _as_root(ev)):
                     continue
-            elif not links(root, ev, timeouts):
+            elif not links(root, ev, timeouts, self._root_event(root)):
                 continue
             acc = accs.get(root.incident_id)
             return acc.incident if acc else self.incidents.get(root.incident_id)
         return None
+
+    def _root_event(self, root: Root) -> StoredEvent | None:
+        return self.events.get(root.event_id) if root.event_id is not None else None
 
     def _comm_incident_for(self, ev: StoredEvent, accs: Mapping[int, _Acc]) -> Incident | None:
         """A worker that exited with an exception or an abort shortly after a communication
@@ -274,7 +277,8 @@ class Correlator:
                 if kind == "process_failure":
                     ok = root.kind == "oom" and absorbs(root, _as_root(evs[0]))
                 else:
-                    ok = any(links(root, e, timeouts) for e in evs)
+                    own = self._root_event(root)
+                    ok = any(links(root, e, timeouts, own) for e in evs)
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break

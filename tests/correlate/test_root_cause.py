@@ -208,6 +208,38 @@ def test_another_ranks_abort_after_a_timeout_in_the_same_log_is_its_effect(
         assert inc["kind"] == "comm_timeout" and inc["origin"]["rank"] == 0
 
 
+UNTIMED_EXCEPTION = [
+    "[rank2]: Traceback (most recent call last):",
+    '[rank2]:   File "/srv/rl/run_policy.py", line 40, in <module>',
+    "[rank2]:     main()",
+    "[rank2]: KeyError: 'reward'",
+]
+
+
+@pytest.mark.parametrize("failure_first", [False, True])
+def test_a_timeout_printed_before_another_ranks_failure_is_not_its_symptom(
+    tmp_path: Path, db: Path, failure_first: bool
+) -> None:
+    """No line has a time; one log holds both. A rank's exception printed first explains the
+    timeout printed after it; printed after the timeout, it cannot be what the timeout waited
+    for, and the timeout stays a root of its own."""
+    lines = (
+        [*UNTIMED_EXCEPTION, UNTIMED_TIMEOUT]
+        if failure_first
+        else [UNTIMED_TIMEOUT, *UNTIMED_EXCEPTION]
+    )
+    write_lines(tmp_path / "job" / "train.log", lines)
+    incs = scan(db, tmp_path / "job")
+    if failure_first:
+        (inc,) = incs
+        assert inc["kind"] == "process_failure" and inc["origin"]["rank"] == 2
+        assert inc["event_count"] == 2
+    else:
+        kinds = {i["kind"]: i for i in incs}
+        assert kinds["comm_timeout"]["origin"]["rank"] == 0
+        assert kinds["comm_timeout"]["event_count"] == 1
+
+
 def test_an_exit_long_after_its_ranks_timeout_is_not_its_effect(tmp_path: Path, db: Path) -> None:
     run = tmp_path / "job"
     write_lines(run / "rank1.log", watchdog_timeout(0.0, 1))
