@@ -84,7 +84,7 @@ _LR_COUNTER_LINE = re.compile(
     r"(?i)^(?![^\n]{0,2000}?(?<![\w])(?:val|valid|validation|eval|evaluat\w*|test(?:ing)?)(?![a-z]))"
     r"(?=[^\n]{0,2000}?(?<![\w.])(?:epoch|iter(?:ation)?|step)s?\b[ \t]{0,3}[:=#\[]?[ \t]{0,3}\d)"
     r"[^\n]{0,2000}?(?<![\w.])(?:lr|learning[ _]rate)\b['\"]?"
-    r"(?:[ \t]{0,3}[:=][ \t]{0,3}|[ \t]{1,3})['\"]?[-+]?\.?\d"
+    r"(?:[ \t]{0,3}[:=][ \t]{0,3}|[ \t]{1,3})['\"]?\[?[-+]?\.?\d"  # "lr=[0.0003, 0.0003]": groups
 )
 # A metric line's own rank, epoch and step, in the bracketed style of custom trainers: "[R0]",
 # "E6 iter[ 14/ 15]" or "Epoch 6" / "Epoch: [6]", "[step] 104"
@@ -330,6 +330,9 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
             # a step's log line, or the bar redrawn right after the report (tqdm refreshes it
             # as the step logs or the exception leaves its loop): its position is the report's
             return p
+        if _LR_COUNTER_LINE.search(text):
+            # the optimizer's report of the step ("step=228, skipped=1, lr=[...]"): training's
+            return p if p.stage else dataclasses.replace(p, stage="train")
         # an epoch's bar trains (an evaluation has a bar of its own: common.iter.epoch_bar); a
         # bar named by its mode ("steps", "Training", "Validation") is that mode's step
         if _EPOCH_BAR.match(text):

@@ -217,6 +217,15 @@ def test_a_nan_takes_the_mode_named_before_its_value(line: str, stage: str) -> N
     assert [(e.kind, e.stage) for e in events] == [("nan", stage)]
 
 
+def test_an_optimizer_step_report_after_a_notice_is_its_step() -> None:
+    notice = b"[stage_1_and_2.py:1700:step] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 8192\n"
+    report = b"[logging.py:69:log_dist] [Rank 0] step=512, skipped=3, lr=[0.0002, 0.0002], mom=[0.9]\n"
+    got = progress.after(notice + report, 0)
+    assert got is not None and got.step == 512 and got.stage == "train"
+    evaluation = b"[Rank 0] eval step=512, lr=[0.0002]\n"
+    assert progress.after(notice + evaluation, 0) is None
+
+
 def test_a_report_after_a_bare_progress_bar_takes_its_position() -> None:
     """HF's training bar has no description; a loading bar says what it counts."""
     bare = b"  7%|\xe2\x96\x8b         | 21/300 [00:42<09:20,  2.01s/it]\n"
