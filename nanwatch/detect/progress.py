@@ -44,7 +44,8 @@ _COUNTER = re.compile(
     r"(?:/(?:max|total|num)_?\w{0,12})?\b['\"]?\]?"  # a position's key: "global_step/max_steps"
     # a separator after the padding of an aligned table ("epoch    =    5.0") or a tight one
     r"(?:[ \t]{0,40}[:=][ \t]{0,12}|[ \t]{0,3}#?[ \t]{0,3})"
-    r"['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})(?:\.0{1,6}(?![\d.]))?"
+    # the number, never a bar's share ("Iteration:  31%|")
+    r"['\"]?[\[(]?[ \t]{0,3}(?P<n>\d{1,12})(?:\.0{1,6}(?![\d.]))?(?!%)"
     r"(?:[ \t]{0,2}/[ \t]{0,2}(?P<of>\d{1,12}))?(?![\d.])"
     r"(?![ \t]{0,3}->)"  # "(batch 32 -> 30)": a size that changed, not a position
 )
@@ -57,6 +58,8 @@ _POSITION = re.compile(
 )
 # a tqdm bar's rate in epochs: "98/150 [18:47:34<9:58:18, 690.35s/epoch, loss=-1.01]"
 _EPOCH_UNIT = re.compile(r"(?:[ \t]{0,3}\[)?[^\]\n]{0,60}?(?:s/epoch|epochs?/s)\b")
+# a bar named for the epochs it counts: "Epoch:   3%|▎         | 10/321 [..."
+_EPOCH_DESC = re.compile(r"(?i)^[ \t]{0,8}epochs?[ \t]{0,2}:?[ \t]{1,8}\d{1,3}%")
 _MODE = re.compile(
     r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"
     r"|test(?:ing)?)(?![\w.\-/])"
@@ -140,8 +143,8 @@ def read(text: str, at: int | None = None) -> LineProgress | None:
                 continue
             n, of = int(m.group("n")), int(m.group("of"))
             if of > 0 and n <= of:
-                if epoch is None and _EPOCH_UNIT.match(text, m.end()):
-                    epoch = n  # a bar whose unit is the epoch counts epochs
+                if epoch is None and (_EPOCH_UNIT.match(text, m.end()) or _EPOCH_DESC.match(text)):
+                    epoch = n  # a bar whose unit (or whose name) is the epoch counts epochs
                 else:
                     it = n
                 break
@@ -296,7 +299,8 @@ _TRACEBACK_LINE = re.compile(
 def _header(text: str, p: LineProgress) -> bool:
     """Is ``text`` a block's header: counters named by their words and no loss (not a bare
     ``N/M``, which any progress bar, a shard loader's too, prints)?"""
-    return p.counted and not p.loss and _COUNTER.search(text) is not None
+    named = _COUNTER.search(text) is not None or _EPOCH_DESC.match(text) is not None
+    return p.counted and not p.loss and named
 
 
 REPEAT_HEAD = 16  # a line that begins as the report's own line did is the same notice again

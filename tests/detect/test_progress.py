@@ -56,6 +56,13 @@ def test_a_loss_scale_and_a_position_inside_a_counter_are_not_read() -> None:
     assert got is not None and not got.loss and got.epoch == 2 and got.iter is None
 
 
+def test_a_bars_share_is_no_counter() -> None:
+    got = progress.read("Iteration:  42%|####2     | 655/1559 [06:01<08:19,  1.81it/s]")
+    assert got is not None and got.iter == 655
+    got = progress.read("Epoch:   3%|3         | 10/321 [00:41<21:30,  4.15s/it]")
+    assert got is not None and got.epoch == 10 and got.iter is None
+
+
 def test_a_size_that_changed_is_no_counter() -> None:
     got = progress.read("WARNING: dropped empty targets (batch 64 -> 61), loss 2.31")
     assert got is not None and got.loss and got.iter is None and not got.counted
@@ -218,8 +225,8 @@ def test_a_nan_takes_the_mode_named_before_its_value(line: str, stage: str) -> N
 
 
 def test_an_optimizer_step_report_after_a_notice_is_its_step() -> None:
-    notice = b"[stage_1_and_2.py:1700:step] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 8192\n"
-    report = b"[logging.py:69:log_dist] [Rank 0] step=512, skipped=3, lr=[0.0002, 0.0002], mom=[0.9]\n"
+    notice = b"[stage_1_and_2.py:1700:step] OVERFLOW! Rank 0 Skipping step. Attempted scale: 8192\n"
+    report = b"[logging.py:69:log_dist] [Rank 0] step=512, skipped=3, lr=[0.0002, 0.0002]\n"
     got = progress.after(notice + report, 0)
     assert got is not None and got.step == 512 and got.stage == "train"
     evaluation = b"[Rank 0] eval step=512, lr=[0.0002]\n"
