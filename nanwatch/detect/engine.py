@@ -265,6 +265,8 @@ class Detector:
                     iter=nxt.iter,
                     step=nxt.step,
                     stage=e.stage or nxt.stage,
+                    # the step's line right after the report names the rank that printed both
+                    rank=e.rank if e.rank is not None else nxt.rank,
                 )
         if f.first_epoch is not None:
             # a report printed before the stream named any epoch belongs to the epoch that the

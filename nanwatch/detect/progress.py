@@ -94,6 +94,7 @@ _LR_COUNTER_LINE = re.compile(
 # ... or a key-value line that ends with its rank ("... loss nan lr 0.00004 rank 3", WeNet's)
 _LINE_RANK = re.compile(
     r"(?<![\w\[])\[R(\d{1,5})\]|(?<![\w.\-])rank[ \t]{0,2}[:=]?[ \t]{0,2}(\d{1,6})[ \t]*$"
+    r"|(?<![\w.\-])rank[ \t]{0,2}[:=][ \t]{0,2}(\d{1,6})[ \t]*[,;|]"  # "train, rank: 0, epoch: 3"
 )
 _LINE_EPOCH = re.compile(
     r"(?<![\w.])(?:E(\d{1,5})(?=[ \t]+(?:iter|step|it)\b)"
@@ -192,7 +193,7 @@ def _progress(
         epoch=epoch,
         iter=it,
         step=step,
-        rank=int(rank_m.group(1) or rank_m.group(2)) if rank_m else None,
+        rank=int(next(g for g in rank_m.groups() if g)) if rank_m else None,
     )
 
 
@@ -304,6 +305,17 @@ def _header(text: str, p: LineProgress) -> bool:
 
 
 REPEAT_HEAD = 16  # a line that begins as the report's own line did is the same notice again
+# a line's time stamp is no part of how it begins: "[2026-03-02 10:00:01,100][root][WARNING] -"
+_STAMP = re.compile(rb"[\d \t\[\]\-:.,/TZ+]*")
+
+
+def _head(line: bytes) -> bytes:
+    """How ``line`` begins after its time stamp: the first REPEAT_HEAD bytes of the rest."""
+    m = _STAMP.match(line, 0, 64)
+    lead = m.end() if m else 0
+    return line[lead : lead + REPEAT_HEAD]
+
+
 REPEATS_MAX = 64  # of those, how many the look-ahead steps over
 
 
@@ -312,7 +324,7 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
     loss beside a counter: a report printed just before a step's log line (a skipped step's
     overflow notice, a warning raised inside the step) belongs to that step."""
     end = chunk.find(b"\n", start)
-    head = chunk[start : min(start + REPEAT_HEAD, end if end >= 0 else len(chunk))]
+    head = _head(chunk[start : end if end >= 0 else len(chunk)])
     left, repeats = lines, REPEATS_MAX
     while left > 0:
         if end < 0:
@@ -320,7 +332,7 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         nxt = chunk.find(b"\n", end + 1)
         raw = chunk[end + 1 : nxt if nxt >= 0 else len(chunk)]
         end = nxt
-        if len(head) == REPEAT_HEAD and raw.startswith(head) and repeats > 0:
+        if len(head) == REPEAT_HEAD and _head(raw) == head and repeats > 0:
             # the same notice again ("Gradient overflow. Skipping step" before each step
             # line): the step it belongs to is after the run of them
             repeats -= 1

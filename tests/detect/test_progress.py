@@ -345,3 +345,18 @@ def test_a_total_step_counter_and_a_banner_after_dashes() -> None:
     assert progress.read("total_steps: 100000") is None  # a setting, not a position
     got = progress.read("----------------EPOCH 3")
     assert got is not None and got.epoch == 3
+
+
+def test_the_step_line_right_after_a_report_names_its_rank() -> None:
+    (ev,) = [
+        e
+        for e in _events(
+            "[2026-03-02 10:00:01,100][root][WARNING] - grad norm is nan, update skipped\n"
+            "[2026-03-02 10:00:01,104][root][INFO] - train, rank: 2, epoch: 1/10, "
+            "total step: 40, (loss_avg: 3.21)\n"
+        )
+        if e.kind == "nan"
+    ]
+    assert (ev.rank, ev.epoch) == (2, 1)
+    assert progress.read("train, rank: 2, epoch: 1/10, total step: 40, loss: 3.2").rank == 2
+    assert progress.read("epoch: 1, local_rank: 3, loss: 3.2").rank is None
