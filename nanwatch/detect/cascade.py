@@ -46,7 +46,9 @@ def cascade(ev: Event, state: StreamState, line_no: int, logged: bool = False) -
     run = runs.get(key)
     if run is not None and (
         logged
-        or run[3] < state.progress_line
+        # a step line between two notices trained; a notice that is a step line of its own
+        # and names no scale (a logged step whose grad norm is nan) is no step trained between
+        or (run[3] < state.progress_line and (state.progress_line < line_no or scale is not None))
         or (scale is not None and run[2] is not None and scale > run[2])
     ):
         run = None  # a step trained in between, or the scale grew back: a new run

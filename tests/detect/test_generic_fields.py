@@ -110,6 +110,23 @@ def test_a_torch_grad_scaler_notice_counts_too() -> None:
     assert _cascades(feed(lines)) == [4]
 
 
+def _mm(it: int, grad_norm: str) -> str:
+    return (
+        f"2026/05/03 10:{it // 10:02d}:00 - mmengine - INFO - Iter(train) [{it:4d}/3000]  "
+        f"lr: 1.0e-04  eta: 1:00:00  time: 1.2  data_time: 0.01  memory: 9000  "
+        f"loss: 0.71  grad_norm: {grad_norm}"
+    )
+
+
+def test_logged_steps_whose_grad_norm_stays_nan_are_one_run() -> None:
+    """Each notice is a step line of its own (a skipped step, no scale named): logged steps
+    that all say nan are steps skipped in a row; one finite grad norm between breaks the run."""
+    nans = [_mm(it, "nan") for it in range(610, 660, 10)]
+    assert _cascades([e for e in feed(nans) if e.kind == "overflow"]) == [4]
+    broken = [nans[0], nans[1], _mm(630, "3.52"), nans[3], nans[4]]
+    assert _cascades([e for e in feed(broken) if e.kind == "overflow"]) == []
+
+
 # --- bracketed and piped metrics -----------------------------------------------------------------
 
 _LOGURU = "2026-05-03 09:12:44.120 | INFO     | trainer.loop:fit:212 - "
