@@ -324,7 +324,11 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
     loss beside a counter: a report printed just before a step's log line (a skipped step's
     overflow notice, a warning raised inside the step) belongs to that step."""
     end = chunk.find(b"\n", start)
-    head = _head(chunk[start : end if end >= 0 else len(chunk)])
+    own = chunk[start : end if end >= 0 else len(chunk)]
+    head = _head(own)
+    # a line that ends in blanks was wrapped where it was copied: the counters of its record
+    # may be on the next line ("... Loss nan   LearningRate 0.001   " / "Epoch: 0   Step: 20")
+    wrapped = own.rstrip(b"\r").endswith((b" ", b"\t"))
     left, repeats = lines, REPEATS_MAX
     while left > 0:
         if end < 0:
@@ -341,7 +345,10 @@ def after(chunk: bytes, start: int, lines: int = 3) -> LineProgress | None:
         text = raw.decode("utf-8", "replace")
         p = read(text)
         if p is None or not p.counted:
+            wrapped = False
             continue
+        if wrapped and left == lines - 1:
+            return p  # the rest of the report's own record
         if p.loss or _BARE_BAR.match(text):
             # a step's log line, or the bar redrawn right after the report (tqdm refreshes it
             # as the step logs or the exception leaves its loop): its position is the report's

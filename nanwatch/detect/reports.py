@@ -23,6 +23,7 @@ FAMILY = {"comm_timeout": "comm", "comm_error": "comm"}
 _ANY = "*"
 _FAILURES = {_ANY, "comm", "oom", "process_failure"}  # a NaN report is not a failure report
 _MERGED_ATTRS = ("time", "rank", "local_rank", "node", "epoch", "iter", "step", "stage", "device")
+_POSITION_ATTRS = ("epoch", "iter", "step")
 
 
 @dataclass
@@ -150,7 +151,12 @@ def _other_process(mine: list[int | None], theirs: Any) -> bool:
 def _merge(old: Event, new: Event, stronger: bool) -> Event:
     """One report, two lines: keep the first line's place, fill what it did not say."""
     upd: dict[str, Any] = {}
+    # the same notice again (a NaN loss on the next logged step) says where *it* was: the
+    # first one's step is not the repeat's
+    repeat = old.fields.get("rule") is not None and old.fields.get("rule") == new.fields.get("rule")
     for a in _MERGED_ATTRS:
+        if repeat and a in _POSITION_ATTRS:
+            continue
         if getattr(old, a) is None and getattr(new, a) is not None:
             upd[a] = getattr(new, a)
     fields = dict(old.fields)

@@ -360,3 +360,35 @@ def test_the_step_line_right_after_a_report_names_its_rank() -> None:
     assert (ev.rank, ev.epoch) == (2, 1)
     assert progress.read("train, rank: 2, epoch: 1/10, total step: 40, loss: 3.2").rank == 2
     assert progress.read("epoch: 1, local_rank: 3, loss: 3.2").rank is None
+
+
+def test_a_line_wrapped_after_its_loss_takes_the_counters_on_the_next_line() -> None:
+    chunk = (
+        b"Train: 2026-01-02 10:00:01-Speed 812.5 samples/sec   Loss nan   LR 0.1000   \n"
+        b"Epoch: 3   Global Step: 120   Required: 9 hours\n"
+        b"Train: 2026-01-02 10:00:05-Speed 815.0 samples/sec   Loss nan   LR 0.1000   "
+        b"Epoch: 3   Global Step: 130   Required: 9 hours\n"
+    )
+    got = progress.after(chunk, 0)
+    assert got is not None and (got.epoch, got.step) == (3, 120)
+    # not wrapped: the counters on the next line are another record's
+    unwrapped = chunk.replace(b"LR 0.1000   \n", b"LR 0.1000\n", 1)
+    got = progress.after(unwrapped, 0)
+    assert got is None or got.step != 120
+
+
+def test_a_repeated_notice_does_not_lend_its_step_to_the_first() -> None:
+    """Two NaN notices fold into one report; the first says where the run first went NaN."""
+    events = [
+        e
+        for e in _events(
+            "[2026-03-02 10:00:01,100][root][WARNING] - grad norm is nan, update skipped\n"
+            "[2026-03-02 10:00:01,104][root][INFO] - train, rank: 1, epoch: 2, "
+            "total step: 40, (loss_avg: 3.21)\n"
+            "[2026-03-02 10:00:02,800][root][WARNING] - grad norm is nan, update skipped\n"
+            "[2026-03-02 10:00:02,804][root][INFO] - train, rank: 1, epoch: 2, "
+            "total step: 41, (loss_avg: 3.19)\n"
+        )
+        if e.kind == "nan"
+    ]
+    assert (events[0].step, events[0].rank) == (40, 1)
