@@ -173,6 +173,7 @@ _STAGE_ALIASES = {
     "sanity checking": "val",
     "sanity": "val",
     "dev": "val",
+    "cv": "val",  # a recipe's cross-validation pass over the dev set (WeNet's "CV Batch")
     "steps": "train",  # a progress bar that counts optimizer steps or iterations
     "iteration": "train",
     "iterations": "train",
