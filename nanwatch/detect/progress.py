@@ -64,6 +64,13 @@ _MODE = re.compile(
     r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation|idating)?|eval(?:uate|uating|uation)?"
     r"|test(?:ing)?)(?![\w.\-/])"
 )
+# a metric's key that a mode word heads ("Train-SmoothL1=0.4", "eval/acc: 0.7"): the line's
+# mode when all such keys agree (Lightning's bar shows "training/loss=..., validation/loss=..."
+# on a training step; Keras' "val_loss" beside a plain "loss" likewise, see _progress)
+_MODE_KEY = re.compile(
+    r"(?i)(?<![\w./\-])(train(?:ing)?|val(?:id|idation)?|eval(?:uation)?|test)"
+    r"(?=[-/][A-Za-z][\w\-/.]{0,40}[ \t]{0,2}[:=][ \t]{0,2}['\"]?[-+]?(?:\d|\.\d|nan|inf))"
+)
 _KEY_STAGE = re.compile(r"(?i)^(train|val|valid|validation|eval|test|dev)(?:[_/.\-]|$)")
 
 
@@ -161,6 +168,9 @@ def read(text: str, at: int | None = None) -> LineProgress | None:
             return _progress(losses, text, {normalize_stage(words[-1])}, epoch, it, step)
         return _progress(losses, text, set(), epoch, it, step)
     stages = {normalize_stage(w) for w in _MODE.findall(text)}
+    keyed = {normalize_stage(w) for w in _MODE_KEY.findall(text)}
+    if len(keyed) == 1:
+        stages |= keyed
     return _progress(losses, text, stages, epoch, it, step)
 
 

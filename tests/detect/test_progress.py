@@ -56,6 +56,22 @@ def test_a_loss_scale_and_a_position_inside_a_counter_are_not_read() -> None:
     assert got is not None and not got.loss and got.epoch == 2 and got.iter is None
 
 
+@pytest.mark.parametrize(
+    ("line", "stage"),
+    [
+        ("Epoch[7] Train-MAE=nan", "train"),
+        ("Epoch[7] Validation-accuracy=nan", "val"),
+        ("step 300 eval/acc: nan", "val"),
+        ("images from val-2017/ read: 5000", None),
+        # keys of both modes on one step's bar: the training step's (its plain-named loss)
+        ("Epoch 2: 100%|#| 12/12 [00:40<00:00, training/loss=0.48, validation/loss=1.9]", "train"),
+    ],
+)
+def test_a_metric_key_headed_by_a_mode_word_names_the_stage(line: str, stage: str | None) -> None:
+    got = progress.read(line)
+    assert (got.stage if got else None) == stage
+
+
 def test_a_bars_share_is_no_counter() -> None:
     got = progress.read("Iteration:  42%|####2     | 655/1559 [06:01<08:19,  1.81it/s]")
     assert got is not None and got.iter == 655
