@@ -265,6 +265,7 @@ class Correlator:
         if not roots:
             return
         timeouts = self._timeouts(run_id)
+        own = {r.incident_id: self._root_event(r) for r in roots}  # read once, not per orphan
         kinds = ("comm_timeout", "comm_error", "process_failure")
         for orphan in self.incidents.open_of_kinds(run_id, kinds):
             iid, kind = orphan.id, orphan.kind
@@ -277,8 +278,7 @@ class Correlator:
                 if kind == "process_failure":
                     ok = root.kind == "oom" and absorbs(root, _as_root(evs[0]))
                 else:
-                    own = self._root_event(root)
-                    ok = any(links(root, e, timeouts, own) for e in evs)
+                    ok = any(links(root, e, timeouts, own[root.incident_id]) for e in evs)
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break
