@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import field
-from itertools import islice
-from operator import lt
+from functools import partial
+from itertools import compress, islice, repeat
+from operator import eq, lt
 from typing import NamedTuple, cast
 
 from .._dc import dataclass
@@ -148,20 +149,45 @@ def feed(stats: dict[int, RankStats], block: Block) -> None:
     for the rows the window ends with (a scan stores hundreds of thousands of steps, and a
     Point and a method call per step were most of what storing them cost)."""
     c = block.columns
-    per: dict[int, list[int]] = {}
-    for i, (rank, step, stage, sec) in enumerate(zip(c.rank, c.step, c.stage, c.step_time)):
-        if stage != "train" or step is None or sec is None or not sec > 0:
-            continue
-        key = MISSING if rank is None else rank
-        rows = per.get(key)
-        if rows is None:
-            rows = per[key] = []
-        rows.append(i)
-    for key, rows in per.items():
+    n = len(c)
+    if not n:
+        return
+    # the rows it takes (training, a step, a positive time), whole columns at a time: a
+    # scan's blocks hold thousands of rows and most take every one
+    rows: Sequence[int] = range(n)
+    stage, steps, secs, ranks = c.stage, c.step, c.step_time, c.rank
+    if stage.count("train") != n:
+        rows = list(compress(rows, map(eq, repeat(_TRAIN), stage)))
+    if None in steps:
+        rows = [i for i in rows if steps[i] is not None]
+    if None in secs:
+        rows = [i for i in rows if secs[i] is not None]
+    if not all(map(_POSITIVE, map(secs.__getitem__, rows))):
+        rows = [i for i in rows if cast("float", secs[i]) > 0]
+    if not rows:
+        return
+    per: dict[int, Sequence[int]]
+    first = ranks[rows[0]]
+    if ranks.count(first) == n:
+        per = {MISSING if first is None else first: rows}
+    else:
+        per = {}
+        for i in rows:
+            rank = ranks[i]
+            key = MISSING if rank is None else rank
+            got = per.get(key)
+            if got is None:
+                got = per[key] = []
+            cast("list[int]", got).append(i)
+    for key, sel in per.items():
         st = stats.get(key)
         if st is None:
             st = stats[key] = RankStats()
-        _add_many(st, block, rows)
+        _add_many(st, block, sel)
+
+
+_TRAIN = "train"
+_POSITIVE = partial(lt, 0.0)  # False for NaN, as ``not sec > 0`` is
 
 
 def feed_rows(stats: dict[int, RankStats], block: Block) -> None:
@@ -188,7 +214,7 @@ def _point(block: Block, i: int) -> Point:
     return Point(step, sec, block.source_id, c.offset[i], c.epoch[i], c.iter[i], c.time[i])
 
 
-def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
+def _add_many(st: RankStats, block: Block, rows: Sequence[int]) -> None:
     """``st.add`` of every row in ``rows`` (indexes into the block's columns), in order."""
     n = len(rows)
     k = 0
@@ -205,11 +231,11 @@ def _add_many(st: RankStats, block: Block, rows: list[int]) -> None:
         assert st.base is not None
         mark = _mark(st.base)
         sel = rows[k:]
-        s_sel = [steps[i] for i in sel]
+        s_sel = list(map(steps.__getitem__, sel))
         if (
             (last is None or s_sel[0] > last)
             and all(map(lt, s_sel, islice(s_sel, 1, None)))
-            and max([secs[i] for i in sel]) < mark
+            and max(map(secs.__getitem__, sel)) < mark
         ):
             # the usual block: in order and nothing slow, so no window can turn slow (a slow
             # window needs a slow step to end it): the window is the last WINDOW steps

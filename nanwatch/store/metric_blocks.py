@@ -15,6 +15,8 @@ import itertools
 import math
 import struct
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import eq
 from typing import Any, cast
 
 from .._dc import dataclass
@@ -119,12 +121,16 @@ def _trained(cols: MetricColumns, step_hi: int | None) -> tuple[Any, Any]:
                 cuts.append(at)
             cuts.append(n)
             return _highest(cols.step, cuts), _highest(cols.epoch, cuts)
-    trained = [
-        (s, e)
-        for st, s, e, v in zip(cols.stage, cols.step, cols.epoch, loss)
-        if st == "train" and v is not None and -_INF < v < _INF
-    ]
-    return _span([s for s, _ in trained])[1], _span([e for _, e in trained])[1]
+    # some rows of another stage: the training rows picked whole columns at a time, and row
+    # by row only when a training loss is missing or not finite
+    train = list(map(eq, repeat("train"), cols.stage))
+    losses = list(itertools.compress(loss, train))
+    if None in losses or not math.isfinite(sum(cast("list[float]", losses))):
+        train = [t and v is not None and -_INF < v < _INF for t, v in zip(train, loss)]
+    return (
+        _span(list(itertools.compress(cols.step, train)))[1],
+        _span(list(itertools.compress(cols.epoch, train)))[1],
+    )
 
 
 def _summary(cols: MetricColumns) -> tuple[object, ...]:

@@ -23,6 +23,7 @@ import sys
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from math import isfinite
 from typing import Any, cast
 
 from .._dc import dataclass
@@ -171,7 +172,10 @@ def _unfloats(raw: bytes, n: int) -> list[float | None]:
     a.frombytes(raw)
     if _SWAP:
         a.byteswap()
-    return [None if v != v else v for v in a.tolist()]
+    out: list[float | None] = a.tolist()
+    if isfinite(sum(out)):  # no NaN (nor an infinity) among them: nothing is missing
+        return out
+    return [None if v != v else v for v in out]
 
 
 def _untexts(raw: bytes, n: int) -> list[str | None]:

@@ -283,8 +283,15 @@ class Metrics(MetricWriter):
 
     def trained_before(self, run_id: int, step: int) -> int | None:
         """The last step before ``step`` the run trained with a finite loss."""
-        best: int | None = None
-        for b in self._trained(run_id, "step_min < ?", step):
+        # a block whose highest trained step is below ``step`` answers with that step; only
+        # the blocks that also trained at or past it are read row by row
+        row = self._conn.execute(
+            "SELECT max(trained_step_max) FROM metric_blocks WHERE run_id IS ? "
+            "AND trained_step_max < ?",
+            (run_id, step),
+        ).fetchone()
+        best: int | None = None if row is None or row[0] is None else int(row[0])
+        for b in self._trained(run_id, "step_min < ? AND trained_step_max >= ?2", step):
             c = b.columns
             for st, s, loss in zip(c.stage, c.step, c.loss):
                 if st == "train" and s is not None and s < step and _finite(loss):

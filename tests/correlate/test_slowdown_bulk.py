@@ -68,3 +68,25 @@ def test_a_slowdown_is_found_at_the_same_step_either_way() -> None:
             feed_rows(reference, block)
         assert bulk[0].found is not None and bulk[0].found == reference[0].found
         assert bulk[0].found.at.step == 31 and bulk[0].last == reference[0].last == 47
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(ROW, min_size=60, max_size=240),
+    st.lists(st.integers(0, 200), max_size=4),
+    st.sampled_from([0, None]),
+)
+def test_blocks_of_one_rank_and_stage_keep_the_same_statistics(
+    rows: list[tuple], cuts: list[int], rank: int | None
+) -> None:
+    # the usual block of a scan: every row of one rank, most or all of them training rows
+    rows = [
+        (rank, delta, "train" if i % 50 else stage, sec)
+        for i, (_, delta, stage, sec) in enumerate(rows)
+    ]
+    bulk: dict[int, RankStats] = {}
+    reference: dict[int, RankStats] = {}
+    for block in _blocks(rows, cuts):
+        feed(bulk, block)
+        feed_rows(reference, block)
+        assert _state(bulk) == _state(reference)

@@ -189,6 +189,48 @@ def test_a_block_s_trained_step_is_the_highest_with_a_finite_loss() -> None:
         assert summary[-2:] == (max(steps, default=None), max(epochs, default=None))
 
 
+def test_the_last_trained_step_before_a_step_is_the_one_the_rows_give(tmp_path: Path) -> None:
+    # most blocks answer from their summary; the rows of the others are read: either way the
+    # answer is the highest training step below ``step`` with a finite loss, of all the rows
+    import random
+
+    rng = random.Random(11)
+    store, run, src = _store(tmp_path / "m.db")
+    every: list[Metric] = []
+    offset = 0
+    for _ in range(25):
+        rows = []
+        for _ in range(rng.randint(1, 30)):
+            offset += 10
+            rows.append(
+                _m(
+                    offset,
+                    step=rng.choice([None, rng.randint(0, 300)]),
+                    stage="train" if rng.random() < 0.85 else "val",
+                    loss=rng.choice([None, float("nan"), 0.0, rng.random(), rng.random()]),
+                )
+            )
+        with store.transaction():
+            store.insert_metric_columns(run, src, MetricColumns.from_rows(rows))
+        every += rows
+    metrics = Metrics(store)
+    for step in [*range(0, 310), 1000]:
+        want = max(
+            (
+                r.step
+                for r in every
+                if r.stage == "train"
+                and r.step is not None
+                and r.step < step
+                and r.loss is not None
+                and math.isfinite(r.loss)
+            ),
+            default=None,
+        )
+        assert metrics.trained_before(run, step) == want
+    store.close()
+
+
 def test_reading_a_chunk_again_never_doubles_an_iteration(tmp_path: Path) -> None:
     store, run, src = _store(tmp_path / "m.db")
     rows = [_m(i * 10, step_time=0.8) for i in range(30)]
