@@ -172,9 +172,9 @@ def _unfloats(raw: bytes, n: int) -> list[float | None]:
     a.frombytes(raw)
     if _SWAP:
         a.byteswap()
-    out: list[float | None] = a.tolist()
+    out: list[float] = a.tolist()
     if isfinite(sum(out)):  # no NaN (nor an infinity) among them: nothing is missing
-        return out
+        return cast("list[float | None]", out)
     return [None if v != v else v for v in out]
 
 

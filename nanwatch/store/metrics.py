@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import sqlite3
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+from itertools import compress, repeat
+from operator import and_, eq, gt, is_not
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .._dc import dataclass
 from .metric_blocks import SMALL_BLOCK, Packed, _finite, _summary, pack
@@ -81,6 +84,21 @@ class StepTimes:
     rank: Sequence[int]
     step: Sequence[int]
     seconds: Sequence[float]
+
+
+def _trained_below(c: MetricColumns, step: int) -> int | None:
+    """The highest step below ``step`` of a block's training rows with a finite loss."""
+    loss = c.loss
+    ok: Iterable[bool] = map(eq, repeat("train"), c.stage)
+    if _INF in loss or -_INF in loss:  # some losses not finite
+        ok = [st == "train" and _finite(v) for st, v in zip(c.stage, loss)]
+    elif None in loss:  # some missing (a NaN is read back as missing)
+        ok = map(and_, ok, map(is_not, loss, repeat(None)))
+    known = cast("Iterator[int]", filter(partial(is_not, None), compress(c.step, ok)))
+    return max(filter(partial(gt, step), known), default=None)
+
+
+_INF = float("inf")
 
 
 # -- the repository --------------------------------------------------------------------------
@@ -292,10 +310,9 @@ class Metrics(MetricWriter):
         ).fetchone()
         best: int | None = None if row is None or row[0] is None else int(row[0])
         for b in self._trained(run_id, "step_min < ? AND trained_step_max >= ?2", step):
-            c = b.columns
-            for st, s, loss in zip(c.stage, c.step, c.loss):
-                if st == "train" and s is not None and s < step and _finite(loss):
-                    best = s if best is None or s > best else best
+            got = _trained_below(b.columns, step)
+            if got is not None and (best is None or got > best):
+                best = got
         return best
 
     def _trained(self, run_id: int | None, cond: str, step: int) -> Iterator[Block]:

@@ -207,7 +207,7 @@ def test_the_last_trained_step_before_a_step_is_the_one_the_rows_give(tmp_path: 
                     offset,
                     step=rng.choice([None, rng.randint(0, 300)]),
                     stage="train" if rng.random() < 0.85 else "val",
-                    loss=rng.choice([None, float("nan"), 0.0, rng.random(), rng.random()]),
+                    loss=rng.choice([None, float("nan"), float("-inf"), *[rng.random()] * 12]),
                 )
             )
         with store.transaction():
