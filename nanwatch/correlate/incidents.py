@@ -278,7 +278,11 @@ class Correlator:
                 if kind == "process_failure":
                     ok = root.kind == "oom" and absorbs(root, _as_root(evs[0]))
                 else:
-                    ok = any(links(root, e, timeouts, own[root.incident_id]) for e in evs)
+                    # the incident's communication failures say whether it followed from the
+                    # root; an exit that joined them as their effect (the launcher's traceback
+                    # after a watchdog) says nothing of when they happened
+                    comm = [e for e in evs if e.kind in SYMPTOM_KINDS] or evs
+                    ok = any(links(root, e, timeouts, own[root.incident_id]) for e in comm)
                 if ok:
                     self._merge(iid, root.incident_id, accs)
                     break

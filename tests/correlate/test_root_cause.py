@@ -240,6 +240,31 @@ def test_a_timeout_printed_before_another_ranks_failure_is_not_its_symptom(
         assert kinds["comm_timeout"]["event_count"] == 1
 
 
+def test_a_timeout_stays_apart_from_a_kill_the_launcher_reports_after_it(
+    tmp_path: Path, db: Path
+) -> None:
+    """Untimed: rank 0's watchdog timeout, then torchrun's report that rank 1 was killed, then
+    torchrun's own traceback. The traceback joins the timeout (the launcher going down after
+    it), but does not carry the timeout over to the kill reported after it."""
+    lines = [
+        "[E ProcessGroupNCCL.cpp:737] [Rank 0] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=88, OpType=BROADCAST, Timeout(ms)=600000) ran for 600412 milliseconds "
+        "before timing out.",
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) local_rank: 1 "
+        "(pid: 4411) of binary: /opt/venv/bin/python",
+        "Traceback (most recent call last):",
+        '  File "/opt/venv/bin/torchrun", line 8, in <module>',
+        "    sys.exit(main())",
+        '  File "/opt/venv/lib/python3.10/site-packages/torch/distributed/run.py", line 752, in run',
+        "    elastic_launch(",
+    ]
+    write_lines(tmp_path / "job" / "train.log", lines)
+    kinds = {i["kind"]: i for i in scan(db, tmp_path / "job")}
+    assert set(kinds) == {"comm_timeout", "process_failure"}
+    assert kinds["comm_timeout"]["origin"]["rank"] == 0
+    assert kinds["process_failure"]["origin"]["rank"] == 1
+
+
 def test_an_exit_long_after_its_ranks_timeout_is_not_its_effect(tmp_path: Path, db: Path) -> None:
     run = tmp_path / "job"
     write_lines(run / "rank1.log", watchdog_timeout(0.0, 1))
