@@ -77,10 +77,13 @@ def strip_prefixes(
     attrs: dict[str, Any] = {}
     if quick is not None and quick.match(text, 0, PREFIX_LIMIT) is None:
         return text, attrs  # the usual line: no prefix (one match instead of one each)
+    read: set[str] = set()  # prefixes that read without stripping (a lookahead): once each
     for _ in range(4):
         for p in prefixes:
             m = p.cre.match(text, 0, PREFIX_LIMIT)
-            if m and m.end() > 0:
+            if m and (m.end() > 0 or (p.id not in read and any(m.groupdict().values()))):
+                if not m.end():
+                    read.add(p.id)
                 for k, v in m.groupdict().items():
                     if v is None or k.startswith("_"):
                         continue

@@ -6,7 +6,8 @@ A pack is one TOML file::
     id = "mmengine"
     title = "mmengine / mmdet training logs"
 
-    [[prefix]]                      # line prefixes that carry rank/node; stripped before matching
+    [[prefix]]                      # line heads that carry rank/node; stripped before matching
+                                    # (a lookahead-only prefix reads them and strips nothing)
     id = "torchrun.rank"
     pattern = '^\\[(?:rank|default)(?P<rank>\\d+)\\]:\\s?'
 
