@@ -255,7 +255,8 @@ def test_a_timeout_stays_apart_from_a_kill_the_launcher_reports_after_it(
         "Traceback (most recent call last):",
         '  File "/opt/venv/bin/torchrun", line 8, in <module>',
         "    sys.exit(main())",
-        '  File "/opt/venv/lib/python3.10/site-packages/torch/distributed/run.py", line 752, in run',
+        '  File "/opt/venv/lib/python3.10/site-packages/torch/distributed/run.py", line 752, '
+        "in run",
         "    elastic_launch(",
     ]
     write_lines(tmp_path / "job" / "train.log", lines)
