@@ -48,6 +48,11 @@ def _state(stats: dict[int, RankStats]) -> dict[int, object]:
 @settings(max_examples=100, deadline=None)
 @given(st.lists(ROW, min_size=60, max_size=240), st.lists(st.integers(0, 200), max_size=6))
 def test_bulk_and_row_by_row_keep_the_same_statistics(rows: list[tuple], cuts: list[int]) -> None:
+    _both_ways(rows, cuts)
+
+
+def _both_ways(rows: list[tuple], cuts: list[int]) -> None:
+    """Feed the blocks both ways; the statistics agree after every block."""
     bulk: dict[int, RankStats] = {}
     reference: dict[int, RankStats] = {}
     for block in _blocks(rows, cuts):
@@ -84,9 +89,4 @@ def test_blocks_of_one_rank_and_stage_keep_the_same_statistics(
         (rank, delta, "train" if i % 50 else stage, sec)
         for i, (_, delta, stage, sec) in enumerate(rows)
     ]
-    bulk: dict[int, RankStats] = {}
-    reference: dict[int, RankStats] = {}
-    for block in _blocks(rows, cuts):
-        feed(bulk, block)
-        feed_rows(reference, block)
-        assert _state(bulk) == _state(reference)
+    _both_ways(rows, cuts)
