@@ -103,6 +103,16 @@ def _highest(col: Sequence[Any], cuts: list[int]) -> Any:
     return best
 
 
+def trained_rows(cols: MetricColumns) -> list[bool]:
+    """Which rows are training rows with a finite loss: picked whole columns at a time, and
+    row by row only when a training loss is missing or not finite."""
+    train = list(map(eq, repeat("train"), cols.stage))
+    losses = list(itertools.compress(cols.loss, train))
+    if None in losses or not math.isfinite(sum(cast("list[float]", losses))):
+        train = [t and v is not None and -_INF < v < _INF for t, v in zip(train, cols.loss)]
+    return train
+
+
 def _trained(cols: MetricColumns, step_hi: int | None) -> tuple[Any, Any]:
     """The highest step and epoch of the training rows with a finite loss."""
     n = len(cols)
@@ -121,12 +131,7 @@ def _trained(cols: MetricColumns, step_hi: int | None) -> tuple[Any, Any]:
                 cuts.append(at)
             cuts.append(n)
             return _highest(cols.step, cuts), _highest(cols.epoch, cuts)
-    # some rows of another stage: the training rows picked whole columns at a time, and row
-    # by row only when a training loss is missing or not finite
-    train = list(map(eq, repeat("train"), cols.stage))
-    losses = list(itertools.compress(loss, train))
-    if None in losses or not math.isfinite(sum(cast("list[float]", losses))):
-        train = [t and v is not None and -_INF < v < _INF for t, v in zip(train, loss)]
+    train = trained_rows(cols)
     return (
         _span(list(itertools.compress(cols.step, train)))[1],
         _span(list(itertools.compress(cols.epoch, train)))[1],

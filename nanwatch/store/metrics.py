@@ -21,15 +21,15 @@ from __future__ import annotations
 import json
 import sqlite3
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
-from itertools import compress, repeat
-from operator import and_, eq, gt, is_not
+from itertools import compress
+from operator import gt, is_not
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from .._dc import dataclass
-from .metric_blocks import SMALL_BLOCK, Packed, _finite, _summary, pack
+from .metric_blocks import SMALL_BLOCK, Packed, _finite, _summary, pack, trained_rows
 from .metric_codec import (
     _SWAP,
     MISSING,
@@ -88,17 +88,8 @@ class StepTimes:
 
 def _trained_below(c: MetricColumns, step: int) -> int | None:
     """The highest step below ``step`` of a block's training rows with a finite loss."""
-    loss = c.loss
-    ok: Iterable[bool] = map(eq, repeat("train"), c.stage)
-    if _INF in loss or -_INF in loss:  # some losses not finite
-        ok = [st == "train" and _finite(v) for st, v in zip(c.stage, loss)]
-    elif None in loss:  # some missing (a NaN is read back as missing)
-        ok = map(and_, ok, map(is_not, loss, repeat(None)))
-    known = cast("Iterator[int]", filter(partial(is_not, None), compress(c.step, ok)))
+    known = cast("Iterator[int]", filter(partial(is_not, None), compress(c.step, trained_rows(c))))
     return max(filter(partial(gt, step), known), default=None)
-
-
-_INF = float("inf")
 
 
 # -- the repository --------------------------------------------------------------------------
@@ -292,17 +283,13 @@ class Metrics(MetricWriter):
         n = 0
         for b in self._trained(run_id, "trained_step_max > ?", step):
             c = b.columns
-            n += sum(
-                1
-                for st, s, loss in zip(c.stage, c.step, c.loss)
-                if st == "train" and s is not None and s > step and _finite(loss)
-            )
+            n += sum(1 for s in compress(c.step, trained_rows(c)) if s is not None and s > step)
         return n
 
     def trained_before(self, run_id: int, step: int) -> int | None:
         """The last step before ``step`` the run trained with a finite loss."""
         # a block whose highest trained step is below ``step`` answers with that step; only
-        # the blocks that also trained at or past it are read row by row
+        # the blocks that also trained at or past it have their rows read
         row = self._conn.execute(
             "SELECT max(trained_step_max) FROM metric_blocks WHERE run_id IS ? "
             "AND trained_step_max < ?",

@@ -189,7 +189,9 @@ def test_a_block_s_trained_step_is_the_highest_with_a_finite_loss() -> None:
         assert summary[-2:] == (max(steps, default=None), max(epochs, default=None))
 
 
-def test_the_last_trained_step_before_a_step_is_the_one_the_rows_give(tmp_path: Path) -> None:
+def test_the_trained_steps_before_and_after_a_step_are_the_ones_the_rows_give(
+    tmp_path: Path,
+) -> None:
     # most blocks answer from their summary; the rows of the others are read: either way the
     # answer is the highest training step below ``step`` with a finite loss, of all the rows
     import random
@@ -228,6 +230,16 @@ def test_the_last_trained_step_before_a_step_is_the_one_the_rows_give(tmp_path: 
             default=None,
         )
         assert metrics.trained_before(run, step) == want
+        after = sum(
+            1
+            for r in every
+            if r.stage == "train"
+            and r.step is not None
+            and r.step > step
+            and r.loss is not None
+            and math.isfinite(r.loss)
+        )
+        assert metrics.trained_after(run, step) == after
     store.close()
 
 
